@@ -1,0 +1,29 @@
+# The two commands: `make test` and `make demo`. Each sets up .venv on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.shardwise-installed
+
+.PHONY: test demo setup clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch==2.13.0 first: the CPU wheel these machines carry. Installing the project
+# before torch would let pip resolve `torch>=2.6` to a CUDA build.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) -m shardwise.cli demo
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache
