@@ -12,7 +12,6 @@ $(PY):
 # torch==2.13.0 first: the CPU wheel these machines carry. Installing the project
 # before torch would let pip resolve `torch>=2.6` to a CUDA build.
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
