@@ -1,0 +1,48 @@
+"""shardwise: run single-device PyTorch code as one SPMD program over a mesh of devices.
+
+Public names mirror `torch.distributed.tensor`, so switching is an import change:
+
+>>> from shardwise import Shard, Replicate, Partial
+>>> [str(p) for p in (Shard(0), Replicate(), Partial())]
+['S(0)', 'R', 'P(sum)']
+"""
+
+from ._comm import CommRecord, comm_log
+from ._explain import explain_redistribute, plan_for
+from ._mesh import AbstractMesh, DeviceMesh, current_mesh, get_current_mesh, init_device_mesh
+from ._placement import Partial, Placement, Replicate, Shard
+from ._redistribute import COST_MODEL, RedistributePlan
+from ._spec import DTensorSpec, TensorMeta
+from ._tensor import DTensor, distribute_tensor, empty, from_local, full, manual_seed, ones, rand, randn, zeros
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbstractMesh",
+    "COST_MODEL",
+    "CommRecord",
+    "DTensor",
+    "DTensorSpec",
+    "DeviceMesh",
+    "Partial",
+    "Placement",
+    "RedistributePlan",
+    "Replicate",
+    "Shard",
+    "TensorMeta",
+    "comm_log",
+    "current_mesh",
+    "distribute_tensor",
+    "empty",
+    "explain_redistribute",
+    "from_local",
+    "full",
+    "get_current_mesh",
+    "init_device_mesh",
+    "manual_seed",
+    "ones",
+    "plan_for",
+    "rand",
+    "randn",
+    "zeros",
+]

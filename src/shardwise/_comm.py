@@ -1,0 +1,189 @@
+"""Every collective shardwise issues, in one place: the one door to `torch.distributed`.
+
+Each function works on one rank's local tensor and a process group of `n` ranks (one
+slice of one mesh dim), handles uneven pieces (gloo's all_gather and reduce_scatter need
+equal sizes, so pieces are padded to the largest and trimmed after), and records what it
+moved when a `comm_log()` is active. Timeouts are those of the process groups
+(`collective_timeout()`), so a rank that dies or disagrees surfaces as an error, not a hang.
+
+| transition on one mesh dim | collective here | bytes received per rank |
+|---|---|---|
+| S(d) -> R | `all_gather_cat` | (n-1) * piece |
+| S(d) -> S(e) | `all_to_all_cat` (gloo's all_to_all_single) | (n-1)/n * local |
+| P -> R | `all_reduce` | 2(n-1)/n * local (ring) |
+| P -> S(d) | `reduce_scatter_cat` | (n-1)/n * local |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommRecord",
+    "comm_log",
+    "all_gather_cat",
+    "all_to_all_cat",
+    "all_reduce",
+    "reduce_scatter_cat",
+    "broadcast",
+    "all_gather_ints",
+    "gather_over_mesh",
+]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as this rank saw it."""
+
+    op: str
+    group_size: int
+    bytes_received: int
+
+
+_LOG: contextvars.ContextVar[Optional[list[CommRecord]]] = contextvars.ContextVar("shardwise_comm_log", default=None)
+
+
+@contextlib.contextmanager
+def comm_log() -> Iterator[list[CommRecord]]:
+    """Record every collective issued inside the block (this rank's view)."""
+    records: list[CommRecord] = []
+    token = _LOG.set(records)
+    try:
+        yield records
+    finally:
+        _LOG.reset(token)
+
+
+def _record(op: str, n: int, nbytes: float) -> None:
+    log = _LOG.get()
+    if log is not None:
+        log.append(CommRecord(op, n, int(nbytes)))
+
+
+_DIST_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _finish_avg(t: torch.Tensor, op: str, n: int) -> torch.Tensor:
+    if op == "avg":
+        return t.div_(n) if t.is_floating_point() or t.is_complex() else t.div(n, rounding_mode="floor")
+    return t
+
+
+def _pad_to(t: torch.Tensor, size: int) -> torch.Tensor:
+    """Pad tensor dim 0 of `t` with zeros to `size`."""
+    if t.size(0) == size:
+        return t
+    pad = t.new_zeros((size - t.size(0),) + tuple(t.shape[1:]))
+    return torch.cat([t, pad])
+
+
+def all_gather_cat(local: torch.Tensor, group: Any, n: int, tensor_dim: int, pieces: Sequence[int]) -> torch.Tensor:
+    """Concatenate every rank's piece along `tensor_dim`; `pieces[j]` is rank j's size there."""
+    biggest = max(pieces)
+    front = _pad_to(local.movedim(tensor_dim, 0), biggest).contiguous()  # (biggest, ...)
+    out = front.new_empty((n * biggest,) + tuple(front.shape[1:]))
+    dist.all_gather_into_tensor(out, front, group=group)
+    _record("all_gather", n, (n - 1) * front.numel() * front.element_size())
+    if any(p != biggest for p in pieces):
+        out = torch.cat([out.narrow(0, j * biggest, p) for j, p in enumerate(pieces)])
+    return out.movedim(0, tensor_dim)
+
+
+def all_to_all_cat(
+    local: torch.Tensor,
+    group: Any,
+    n: int,
+    split_dim: int,
+    cat_dim: int,
+    split_sizes: Sequence[int],
+    cat_pieces: Sequence[int],
+    index: int,
+) -> torch.Tensor:
+    """Split `local` along `split_dim` (piece j to rank j) and concatenate what arrives along `cat_dim`.
+
+    `split_sizes[j]`: size along `split_dim` of the piece sent to rank j; `cat_pieces[j]`:
+    size along `cat_dim` of the piece received from rank j; `index`: this rank's
+    place in the group. Moves (n-1)/n of the local
+    tensor, the all_to_all lower bound, where an all_gather would move (n-1) times it.
+    """
+    me = index
+    sends = [p.contiguous() for p in torch.split(local, list(split_sizes), dim=split_dim)]
+    flat_in = torch.cat([p.reshape(-1) for p in sends]) if sends else local.new_empty(0)
+    mine_shape = list(local.shape)
+    mine_shape[split_dim] = split_sizes[me]
+    recv_shapes = []
+    for p in cat_pieces:
+        s = list(mine_shape)
+        s[cat_dim] = p
+        recv_shapes.append(s)
+    recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
+    flat_out = local.new_empty(sum(recv_numels))
+    dist.all_to_all_single(
+        flat_out, flat_in, output_split_sizes=recv_numels, input_split_sizes=[p.numel() for p in sends], group=group
+    )
+    _record("all_to_all", n, (sum(recv_numels) - recv_numels[me]) * local.element_size())
+    pieces = [chunk.view(s) for chunk, s in zip(torch.split(flat_out, recv_numels), recv_shapes)]
+    return torch.cat(pieces, dim=cat_dim)
+
+
+def all_reduce(local: torch.Tensor, group: Any, n: int, op: str) -> torch.Tensor:
+    """Reduce over the group; every rank gets the result (a new tensor)."""
+    out = local.contiguous().clone()
+    dist.all_reduce(out, op=_DIST_OPS[op], group=group)
+    _record("all_reduce", n, 2 * (n - 1) / n * out.numel() * out.element_size())
+    return _finish_avg(out, op, n)
+
+
+def reduce_scatter_cat(
+    local: torch.Tensor, group: Any, n: int, tensor_dim: int, pieces: Sequence[int], index: int, op: str
+) -> torch.Tensor:
+    """Reduce over the group and keep piece `index` along `tensor_dim` (`pieces[j]` sizes)."""
+    biggest = max(pieces)
+    front = local.movedim(tensor_dim, 0)  # (sum(pieces), ...)
+    if any(p != biggest for p in pieces):
+        front = torch.cat([_pad_to(c, biggest) for c in torch.split(front, list(pieces))])
+    front = front.contiguous()
+    out = front.new_empty((biggest,) + tuple(front.shape[1:]))
+    dist.reduce_scatter_tensor(out, front, op=_DIST_OPS[op], group=group)
+    _record("reduce_scatter", n, (n - 1) * out.numel() * out.element_size())
+    out = _finish_avg(out, op, n)
+    return out.narrow(0, 0, pieces[index]).movedim(0, tensor_dim)
+
+
+def broadcast(tensor: torch.Tensor, group: Any, n: int, src: int) -> torch.Tensor:
+    """Broadcast from global rank `src` (in place on a contiguous tensor, which is returned)."""
+    t = tensor.contiguous()
+    dist.broadcast(t, src=src, group=group)
+    if dist.get_rank() != src:
+        _record("broadcast", n, t.numel() * t.element_size())
+    return t
+
+
+def all_gather_ints(values: Sequence[int], group: Any, n: int) -> list[list[int]]:
+    """Every rank's list of ints (all lists the same length): for metadata checks."""
+    t = torch.tensor(list(values), dtype=torch.int64)
+    out = t.new_empty(n * len(values))
+    dist.all_gather_into_tensor(out, t, group=group)
+    _record("all_gather", n, (n - 1) * t.numel() * t.element_size())
+    return out.view(n, len(values)).tolist()
+
+
+def gather_over_mesh(values: Sequence[int], groups: Sequence[Any], mesh_shape: Sequence[int]) -> list[list[int]]:
+    """Every mesh rank's `values` (same length everywhere), in row-major order of mesh coordinates.
+
+    Gathers along the last mesh dim first, then each earlier one, so no whole-mesh group is needed.
+    """
+    flat = list(values)
+    for i in reversed(range(len(mesh_shape))):
+        n = mesh_shape[i]
+        rows = all_gather_ints(flat, groups[i], n) if n > 1 else [flat]
+        flat = [v for row in rows for v in row]
+    width = len(values)
+    return [flat[k : k + width] for k in range(0, len(flat), width)]

@@ -1,0 +1,176 @@
+"""Layout math: which piece of a global tensor each rank holds, for any placements.
+
+Pure functions over shapes, placements and mesh coordinates; nothing here talks to
+processes, so a mesh of thousands of ranks is planned on one machine.
+
+Sizes follow `torch.chunk`: a tensor dim of size `s` split `n` ways gives pieces of
+`ceil(s / n)`, earlier ranks get the larger pieces and trailing ranks may be empty.
+
+When several mesh dims shard one tensor dim, the tensor dim is split by them one after
+another, outermost first: the *split order*. By default it is mesh-dim order; a layout
+may name another (`shard_order={0: (1, 0)}`: split tensor dim 0 by mesh dim 1 first, then
+each piece by mesh dim 0). The order is part of the layout, so both `(("dp", "tp"),)` and
+`(("tp", "dp"),)` partition specs are representable.
+
+>>> local_shape_and_offset((10,), (4,), (Shard(0),), (3,))
+((1,), (9,))
+>>> local_shape_and_offset((3, 8), (4,), (Shard(0),), (3,))  # dim smaller than the mesh
+((0, 8), (3, 0))
+>>> local_shape_and_offset((8,), (2, 2), (Shard(0), Shard(0)), (0, 1), {0: (1, 0)})
+((2,), (4,))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Union
+
+from ._placement import Placement, Shard
+
+__all__ = [
+    "ShardOrder",
+    "ShardOrderLike",
+    "chunk_range",
+    "normalize_placements",
+    "normalize_shard_order",
+    "split_orders",
+    "local_shape_and_offset",
+    "max_local_shape",
+    "global_shape_from_local",
+    "contiguous_strides",
+    "format_placements",
+]
+
+# Canonical: ((tensor_dim, (mesh_dim, ...)), ...) for tensor dims whose split order is
+# not ascending mesh-dim order, sorted by tensor dim; () when every order is the default.
+ShardOrder = tuple[tuple[int, tuple[int, ...]], ...]
+ShardOrderLike = Union[ShardOrder, Mapping[int, Sequence[int]], None]
+
+
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of piece `index` when `size` is split into `parts` like `torch.chunk`."""
+    per = -(-size // parts)
+    start = min(index * per, size)
+    return start, min(per, size - start)
+
+
+def format_placements(placements: Sequence[Placement]) -> str:
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+def normalize_placements(
+    placements: Sequence[Placement], mesh_ndim: int, tensor_ndim: int, *, what: str = "placements"
+) -> tuple[Placement, ...]:
+    """Validate placements against a mesh and a tensor rank; make Shard dims non-negative."""
+    if isinstance(placements, Placement):
+        placements = (placements,)
+    if not isinstance(placements, (tuple, list)):
+        raise TypeError(f"{what} must be a sequence of Placement, got {type(placements).__name__}")
+    if len(placements) != mesh_ndim:
+        raise ValueError(
+            f"{what} {format_placements(placements)} has {len(placements)} entries but the mesh has "
+            f"{mesh_ndim} dims: give one placement per mesh dim"
+        )
+    out: list[Placement] = []
+    for i, p in enumerate(placements):
+        if not isinstance(p, Placement):
+            raise TypeError(
+                f"{what}[{i}] is {p!r} of type {type(p).__name__}: use Shard(dim), Replicate() or Partial()"
+            )
+        if isinstance(p, Shard):
+            d = p.dim
+            if not -tensor_ndim <= d < tensor_ndim:
+                lo = -tensor_ndim if tensor_ndim else 0
+                hint = f"use a dim in [{lo}, {tensor_ndim - 1}]" if tensor_ndim else "a 0-dim tensor cannot be sharded"
+                raise ValueError(
+                    f"{what}[{i}] = {p} is out of range for a {tensor_ndim}-D tensor: {hint}"
+                )
+            if d < 0:
+                p = Shard(d + tensor_ndim)
+        out.append(p)
+    return tuple(out)
+
+
+def split_orders(placements: Sequence[Placement], shard_order: ShardOrder = ()) -> dict[int, tuple[int, ...]]:
+    """Tensor dim -> mesh dims that split it, outermost first."""
+    orders: dict[int, list[int]] = {}
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            orders.setdefault(p.dim, []).append(m)
+    result = {d: tuple(ms) for d, ms in orders.items()}
+    for d, ms in shard_order:
+        result[d] = ms
+    return result
+
+
+def normalize_shard_order(
+    placements: Sequence[Placement], shard_order: ShardOrderLike, tensor_ndim: int
+) -> ShardOrder:
+    """Validate a split order against placements and return its canonical form."""
+    if not shard_order:
+        return ()
+    items = shard_order.items() if isinstance(shard_order, Mapping) else shard_order
+    default = split_orders(placements)
+    out: list[tuple[int, tuple[int, ...]]] = []
+    for d, ms in items:
+        if not isinstance(d, int) or not -tensor_ndim <= d < tensor_ndim:
+            raise ValueError(f"shard_order names tensor dim {d!r}, out of range for a {tensor_ndim}-D tensor")
+        d = d % tensor_ndim
+        ms = tuple(ms)
+        want = default.get(d, ())
+        if sorted(ms) != list(want):
+            raise ValueError(
+                f"shard_order gives tensor dim {d} the mesh dims {ms}, but placements "
+                f"{format_placements(placements)} shard it over mesh dims {want}: list exactly those, in split order"
+            )
+        if ms != want:
+            out.append((d, ms))
+    return tuple(sorted(out))
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    coordinate: Sequence[int],
+    shard_order: ShardOrderLike = (),
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and global offset of the piece held at `coordinate` (placements normalized)."""
+    if isinstance(shard_order, Mapping):
+        shard_order = normalize_shard_order(placements, shard_order, len(global_shape))
+    shape = list(global_shape)
+    offset = [0] * len(shape)
+    for d, ms in split_orders(placements, shard_order or ()).items():
+        size, off = shape[d], 0
+        for m in ms:
+            start, size = chunk_range(size, mesh_shape[m], coordinate[m])
+            off += start
+        shape[d], offset[d] = size, off
+    return tuple(shape), tuple(offset)
+
+
+def max_local_shape(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], shard_order: ShardOrder = ()
+) -> tuple[int, ...]:
+    """The largest piece any rank holds: the first piece at every split (torch.chunk)."""
+    return local_shape_and_offset(global_shape, mesh_shape, placements, (0,) * len(mesh_shape), shard_order)[0]
+
+
+def global_shape_from_local(
+    local_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]
+) -> tuple[int, ...]:
+    """Global shape assuming every rank holds an equal piece (what `from_local` infers)."""
+    shape = list(local_shape)
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            shape[p.dim] *= mesh_shape[m]
+    return tuple(shape)
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+

@@ -1,0 +1,343 @@
+"""Device meshes: an n-D grid of ranks with optional dim names, and its abstract twin.
+
+`AbstractMesh` is shape and names only: the planning layers (placement math, the
+redistribute planner, op strategies) take it and never touch a process group.
+`DeviceMesh` adds the rank grid and one `torch.distributed` process group per slice of
+each mesh dim, created once (by every process, in the same order) and reused by every
+mesh and sub-mesh that needs the same slice.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["AbstractMesh", "DeviceMesh", "init_device_mesh", "current_mesh", "get_current_mesh", "collective_timeout"]
+
+MeshDim = Union[int, str]
+
+
+def collective_timeout() -> timedelta:
+    """Timeout of every collective shardwise issues (env `SHARDWISE_COLLECTIVE_TIMEOUT`, seconds)."""
+    return timedelta(seconds=float(os.environ.get("SHARDWISE_COLLECTIVE_TIMEOUT", "300")))
+
+
+class AbstractMesh:
+    """A mesh's shape and dim names, with no processes behind it: what planning needs.
+
+    >>> m = AbstractMesh((2, 4), ("dp", "tp"))
+    >>> m.ndim, m.size(), m.size("tp"), m.mesh_dim_index("dp")
+    (2, 8, 4, 0)
+    """
+
+    __slots__ = ("shape", "mesh_dim_names", "_hash")
+
+    shape: tuple[int, ...]
+    mesh_dim_names: Optional[tuple[str, ...]]
+
+    def __init__(self, shape: Sequence[int], mesh_dim_names: Optional[Sequence[str]] = None) -> None:
+        shape = tuple(int(s) for s in shape)
+        if not shape or any(s < 1 for s in shape):
+            raise ValueError(f"mesh shape {shape} is invalid: give at least one dim, every size >= 1")
+        names = _check_names(mesh_dim_names, len(shape))
+        self.shape = shape
+        self.mesh_dim_names = names
+        self._hash = hash((shape, names))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def size(self, mesh_dim: Optional[MeshDim] = None) -> int:
+        if mesh_dim is None:
+            n = 1
+            for s in self.shape:
+                n *= s
+            return n
+        return self.shape[self.mesh_dim_index(mesh_dim)]
+
+    def mesh_dim_index(self, mesh_dim: MeshDim) -> int:
+        """The index of a mesh dim given by index or name; errors list what exists."""
+        if isinstance(mesh_dim, str):
+            if self.mesh_dim_names is None or mesh_dim not in self.mesh_dim_names:
+                raise ValueError(
+                    f"mesh dim {mesh_dim!r} is not a dim of this mesh (dim names: {self.mesh_dim_names}); "
+                    f"name the mesh dims with mesh_dim_names= or use one of those names"
+                )
+            return self.mesh_dim_names.index(mesh_dim)
+        if isinstance(mesh_dim, bool) or not isinstance(mesh_dim, int):
+            raise TypeError(f"mesh dim must be an int or a dim name, got {mesh_dim!r}")
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise ValueError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-D mesh of shape {self.shape}")
+        return mesh_dim % self.ndim
+
+    def abstract(self) -> AbstractMesh:
+        return self
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.shape, self.mesh_dim_names)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._key() == self._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"AbstractMesh({self.shape}{names})"
+
+
+def _check_names(names: Optional[Sequence[str]], ndim: int) -> Optional[tuple[str, ...]]:
+    if names is None:
+        return None
+    if isinstance(names, str):
+        names = (names,)
+    names = tuple(names)
+    if len(names) != ndim:
+        raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {ndim}-D mesh: give one per mesh dim")
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"mesh_dim_names must be strings, got {names}")
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"mesh_dim_names {names} repeats {dups}: every mesh dim needs its own name")
+    return names
+
+
+# Process groups are created collectively (every process, same order), so they are kept
+# per slice of ranks and shared by every mesh that needs the same slice.
+_GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+
+def _group_for(ranks: tuple[int, ...], backend: Optional[str]) -> Any:
+    world = dist.group.WORLD
+    if ranks == tuple(range(dist.get_world_size())):
+        return world
+    key = (id(world), ranks)
+    group = _GROUPS.get(key)
+    if group is None:
+        group = dist.new_group(list(ranks), timeout=collective_timeout(), backend=backend)
+        _GROUPS[key] = group
+    return group
+
+
+_CURRENT: contextvars.ContextVar[tuple[DeviceMesh, ...]] = contextvars.ContextVar("shardwise_mesh", default=())
+
+
+class DeviceMesh(AbstractMesh):
+    """An n-D grid of global ranks; collectives along a mesh dim use that dim's group.
+
+    Construct it on every process with the same arguments (it creates process groups).
+    As a context manager it becomes the current mesh, used by factories when no mesh is given.
+    """
+
+    __slots__ = ("device_type", "_grid", "_coordinate", "_groups", "_slice_ranks", "__weakref__")
+
+    device_type: str
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: Union[torch.Tensor, Sequence[Any]],
+        *,
+        mesh_dim_names: Optional[Sequence[str]] = None,
+        _groups: Optional[tuple[Any, ...]] = None,
+    ) -> None:
+        grid = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
+        if grid.ndim == 0:
+            grid = grid.reshape(1)
+        super().__init__(tuple(grid.shape), mesh_dim_names)
+        ranks = grid.flatten().tolist()
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"mesh {grid.tolist()} lists a rank twice: every rank may appear once")
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: use shardwise.init_device_mesh (it initializes from "
+                "torchrun's environment) or call torch.distributed.init_process_group first"
+            )
+        world = dist.get_world_size()
+        bad = [r for r in ranks if not 0 <= r < world]
+        if bad:
+            raise ValueError(f"mesh ranks {bad} are outside the world of {world} processes: use ranks in [0, {world - 1}]")
+        self.device_type = device_type
+        self._grid = grid
+        self._hash = hash((device_type, tuple(ranks), self.shape, self.mesh_dim_names))
+        me = dist.get_rank()
+        where = (grid == me).nonzero()
+        self._coordinate: Optional[tuple[int, ...]] = tuple(where[0].tolist()) if len(where) else None
+        if _groups is None:
+            _groups = self._create_groups()
+        self._groups = _groups
+        self._slice_ranks = tuple(self._ranks_along(i) for i in range(self.ndim))
+
+    def _create_groups(self) -> tuple[Any, ...]:
+        backend = "nccl" if self.device_type == "cuda" else None
+        mine: list[Any] = []
+        for i in range(self.ndim):
+            moved = self._grid.movedim(i, -1).reshape(-1, self.shape[i])
+            chosen = None
+            for row in moved.tolist():
+                group = _group_for(tuple(row), backend)
+                if self._coordinate is not None and dist.get_rank() in row:
+                    chosen = group
+            mine.append(chosen)
+        return tuple(mine)
+
+    def _ranks_along(self, mesh_dim: int) -> tuple[int, ...]:
+        if self._coordinate is None:
+            return ()
+        index: list[Any] = list(self._coordinate)
+        index[mesh_dim] = slice(None)
+        return tuple(self._grid[tuple(index)].tolist())
+
+    # -- queries -------------------------------------------------------------------
+    @property
+    def mesh(self) -> torch.Tensor:
+        """The grid of global ranks."""
+        return self._grid
+
+    def get_coordinate(self) -> Optional[list[int]]:
+        """This process's coordinate in the mesh, or None if it is not part of it."""
+        return None if self._coordinate is None else list(self._coordinate)
+
+    def get_rank(self) -> int:
+        return dist.get_rank()
+
+    def get_local_rank(self, mesh_dim: Optional[MeshDim] = None) -> int:
+        i = self._one_dim(mesh_dim)
+        coordinate = self._require_member()
+        return coordinate[i]
+
+    def get_group(self, mesh_dim: Optional[MeshDim] = None) -> Any:
+        """The process group of this process's slice along `mesh_dim`."""
+        i = self._one_dim(mesh_dim)
+        self._require_member()
+        return self._groups[i]
+
+    def get_all_groups(self) -> list[Any]:
+        return list(self._groups)
+
+    def ranks_along(self, mesh_dim: MeshDim) -> tuple[int, ...]:
+        """Global ranks of this process's slice along `mesh_dim`, in mesh order."""
+        return self._slice_ranks[self.mesh_dim_index(mesh_dim)]
+
+    def _one_dim(self, mesh_dim: Optional[MeshDim]) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"this mesh has {self.ndim} dims {self.shape}: name the mesh dim you mean")
+            return 0
+        return self.mesh_dim_index(mesh_dim)
+
+    def _require_member(self) -> tuple[int, ...]:
+        if self._coordinate is None:
+            raise ValueError(f"rank {dist.get_rank()} is not part of the mesh {self._grid.tolist()}")
+        return self._coordinate
+
+    def abstract(self) -> AbstractMesh:
+        return AbstractMesh(self.shape, self.mesh_dim_names)
+
+    # -- sub-meshes ----------------------------------------------------------------
+    def __getitem__(self, names: Union[str, Sequence[str]]) -> DeviceMesh:
+        """The sub-mesh over the named dims that contains this process: `mesh["tp"]`."""
+        if isinstance(names, str):
+            names = (names,)
+        names = tuple(names)
+        if self.mesh_dim_names is None:
+            raise ValueError(f"mesh {self.shape} has no dim names: create it with mesh_dim_names= to slice by name")
+        dims = [self.mesh_dim_index(n) for n in names]
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"sub-mesh names {names} repeat a dim")
+        coordinate = self._require_member()
+        index: list[Any] = [slice(None) if i in dims else c for i, c in enumerate(coordinate)]
+        kept = [i for i in range(self.ndim) if i in dims]
+        sub = self._grid[tuple(index)].permute([kept.index(d) for d in dims])
+        return DeviceMesh(
+            self.device_type, sub, mesh_dim_names=names, _groups=tuple(self._groups[d] for d in dims)
+        )
+
+    # -- current mesh ----------------------------------------------------------------
+    def __enter__(self) -> DeviceMesh:
+        _CURRENT.set(_CURRENT.get() + (self,))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.set(_CURRENT.get()[:-1])
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.device_type, tuple(self._grid.flatten().tolist()), self.shape, self.mesh_dim_names)
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        return type(other) is DeviceMesh and self._hash == other._hash and self._key() == other._key()
+
+    __hash__ = AbstractMesh.__hash__
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh({self.device_type!r}, {self._grid.tolist()}{names})"
+
+
+def get_current_mesh() -> DeviceMesh:
+    """The innermost mesh entered with `with mesh:`; raises if there is none."""
+    stack = _CURRENT.get()
+    if not stack:
+        raise ValueError("no current mesh: pass device_mesh= or enter one with `with mesh:`")
+    return stack[-1]
+
+
+def current_mesh() -> Optional[DeviceMesh]:
+    """The innermost mesh entered with `with mesh:`, or None."""
+    stack = _CURRENT.get()
+    return stack[-1] if stack else None
+
+
+def _init_default_group(device_type: str, world_size: int) -> None:
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=collective_timeout())
+    elif world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=collective_timeout())
+    else:
+        raise RuntimeError(
+            f"a mesh of {world_size} ranks needs {world_size} processes: launch with "
+            f"`torchrun --nproc-per-node={world_size} script.py` (it sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
+        )
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def init_device_mesh(
+    device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Optional[Sequence[str]] = None
+) -> DeviceMesh:
+    """A mesh of shape `mesh_shape` over all processes, in rank order.
+
+    Initializes the default process group from torchrun's environment if needed (gloo for
+    cpu, nccl for cuda). Call it on every process with the same arguments.
+    """
+    if isinstance(mesh_shape, int):
+        mesh_shape = (mesh_shape,)
+    shape = tuple(mesh_shape)
+    if not shape or any((not isinstance(s, int)) or s < 1 for s in shape):
+        raise ValueError(f"mesh_shape {shape} is invalid: give positive ints, one per mesh dim")
+    _check_names(mesh_dim_names, len(shape))
+    n = 1
+    for s in shape:
+        n *= s
+    if not dist.is_initialized():
+        _init_default_group(device_type, n)
+    world = dist.get_world_size()
+    if n != world:
+        raise ValueError(
+            f"mesh_shape {shape} holds {n} ranks but the world has {world} processes: "
+            f"the product of mesh_shape must equal the world size"
+        )
+    grid = torch.arange(n).reshape(shape)
+    return DeviceMesh(device_type, grid, mesh_dim_names=mesh_dim_names)
+

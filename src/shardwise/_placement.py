@@ -1,0 +1,124 @@
+"""Placements: how a tensor lives along one mesh dim (`Shard`, `Replicate`, `Partial`).
+
+A layout holds one placement per mesh dim. Placements are frozen, hashable values with
+a `repr` that round-trips (`Shard(dim=0)`) and a short `str` used in explanations and
+error messages (`S(0)`, `R`, `P(sum)`).
+
+>>> [str(p) for p in (Shard(0), Replicate(), Partial(), Partial("max"))]
+['S(0)', 'R', 'P(sum)', 'P(max)']
+>>> Shard(1) == Shard(1), hash(Replicate()) == hash(Replicate())
+(True, True)
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "ReduceOp", "REDUCE_OPS"]
+
+ReduceOp = Literal["sum", "avg", "max", "min"]
+REDUCE_OPS: Final = ("sum", "avg", "max", "min")
+
+
+class Placement:
+    """Base class of the three placements; never instantiated itself."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+
+class Shard(Placement):
+    """The tensor is split along tensor dim `dim` across this mesh dim (`torch.chunk` sizes)."""
+
+    __slots__ = ("dim",)
+    dim: int
+
+    def __init__(self, dim: int) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"Shard(dim) takes an int tensor dim, got {dim!r} of type {type(dim).__name__}")
+        object.__setattr__(self, "dim", dim)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{self!r} is frozen")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Shard and other.dim == self.dim
+
+    def __hash__(self) -> int:
+        return hash(("S", self.dim))
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    def __reduce__(self) -> tuple[type[Shard], tuple[int]]:
+        return (Shard, (self.dim,))
+
+
+class Replicate(Placement):
+    """Every rank along this mesh dim holds the same full data."""
+
+    __slots__ = ()
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Replicate
+
+    def __hash__(self) -> int:
+        return hash("R")
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+    def __str__(self) -> str:
+        return "R"
+
+
+class Partial(Placement):
+    """Each rank holds a term; the global value is their reduction (`sum`, `avg`, `max`, `min`)."""
+
+    __slots__ = ("reduce_op",)
+    reduce_op: ReduceOp
+
+    def __init__(self, reduce_op: str = "sum") -> None:
+        if reduce_op not in REDUCE_OPS:
+            raise ValueError(
+                f"Partial(reduce_op={reduce_op!r}) is not supported: use one of {', '.join(REDUCE_OPS)}"
+            )
+        object.__setattr__(self, "reduce_op", reduce_op)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{self!r} is frozen")
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Partial and other.reduce_op == self.reduce_op
+
+    def __hash__(self) -> int:
+        return hash(("P", self.reduce_op))
+
+    def __repr__(self) -> str:
+        return f"Partial(reduce_op={self.reduce_op!r})"
+
+    def __str__(self) -> str:
+        return f"P({self.reduce_op})"
+
+    def __reduce__(self) -> tuple[type[Partial], tuple[str]]:
+        return (Partial, (self.reduce_op,))

@@ -1,0 +1,242 @@
+"""Making DTensors: `from_local`, `distribute_tensor` and the factories."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from .. import _comm as comm
+from .._layout import (
+    ShardOrderLike,
+    contiguous_strides,
+    format_placements,
+    global_shape_from_local,
+    local_shape_and_offset,
+    normalize_placements,
+    normalize_shard_order,
+)
+from .._mesh import DeviceMesh, get_current_mesh
+from .._placement import Partial, Placement, Replicate
+from .._spec import DTensorSpec, TensorMeta
+from . import _random
+from ._dtensor import DTensor, _FromLocal
+from ._redistribute import redistribute_local
+
+__all__ = ["from_local", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn"]
+
+
+def _resolve(device_mesh: Optional[DeviceMesh], placements: Optional[Sequence[Placement]]) -> tuple[DeviceMesh, Sequence[Placement]]:
+    mesh = device_mesh if device_mesh is not None else get_current_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    return mesh, placements
+
+
+_MAX_DIMS = 16
+
+
+def _checked_global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], order: Any) -> tuple[int, ...]:
+    """Gather every rank's local shape; infer the global shape and check the pieces fit it."""
+    if local.ndim > _MAX_DIMS:
+        raise ValueError(f"from_local(run_check=True) supports up to {_MAX_DIMS} dims, got {local.ndim}")
+    mine = [local.ndim, zlib.crc32(str(local.dtype).encode())] + list(local.shape) + [-1] * (_MAX_DIMS - local.ndim)
+    rows = comm.gather_over_mesh(mine, mesh.get_all_groups(), mesh.shape)
+    coords = [tuple(c) for c in torch.cartesian_prod(*[torch.arange(s) for s in mesh.shape]).view(-1, mesh.ndim).tolist()]
+    shapes = {c: tuple(r[2 : 2 + r[0]]) for c, r in zip(coords, rows)}
+    ranks = mesh.mesh.flatten().tolist()
+    listing = "; ".join(f"rank {r}: {tuple(s)}" for r, s in zip(ranks, shapes.values()))
+    if len({(r[0], r[1]) for r in rows}) != 1:
+        raise ValueError(f"from_local: ranks disagree on the local tensor's rank or dtype (local shapes {listing})")
+    origin = (0,) * mesh.ndim
+    gshape = list(shapes[origin])
+    for d in range(local.ndim):
+        splitters = [m for m, p in enumerate(placements) if p.is_shard(d)]
+        if not splitters:
+            continue
+        total = 0
+        for c in coords:
+            if all(c[m] == 0 for m in range(mesh.ndim) if m not in splitters):
+                total += shapes[c][d]
+        gshape[d] = total
+    bad = [
+        (r, shapes[c], local_shape_and_offset(gshape, mesh.shape, placements, c, order)[0])
+        for r, c in zip(ranks, coords)
+        if local_shape_and_offset(gshape, mesh.shape, placements, c, order)[0] != shapes[c]
+    ]
+    if bad:
+        detail = "; ".join(f"rank {r} has {s}, expected {e}" for r, s, e in bad)
+        raise ValueError(
+            f"from_local: local shapes do not form a {format_placements(placements)} layout of any global shape "
+            f"(inferred {tuple(gshape)}): {detail}. All local shapes: {listing}. Pieces follow torch.chunk sizes; "
+            f"pass shape= and stride= for other splits"
+        )
+    return tuple(gshape)
+
+
+def from_local(
+    local_tensor: torch.Tensor,
+    device_mesh: Optional[DeviceMesh] = None,
+    placements: Optional[Sequence[Placement]] = None,
+    *,
+    run_check: bool = False,
+    shape: Optional[Sequence[int]] = None,
+    stride: Optional[Sequence[int]] = None,
+    shard_order: ShardOrderLike = None,
+) -> DTensor:
+    """A DTensor from each rank's piece (differentiable).
+
+    Without `shape`, the global shape assumes equal pieces (`local * mesh size` on sharded
+    dims); with `run_check=True` it is inferred from every rank's actual shape (uneven pieces
+    allowed), the pieces are checked to form the layout, and Replicate dims are broadcast
+    from the first rank so they truly agree.
+    """
+    if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
+        raise TypeError(f"from_local takes a plain torch.Tensor, got {type(local_tensor).__name__}")
+    mesh, placements = _resolve(device_mesh, placements)
+    pl = normalize_placements(placements, mesh.ndim, local_tensor.ndim)
+    order = normalize_shard_order(pl, shard_order, local_tensor.ndim)
+    if (shape is None) != (stride is None):
+        raise ValueError(f"from_local got shape={shape} and stride={stride}: pass both or neither")
+    if shape is not None:
+        gshape, gstride = tuple(shape), tuple(stride)  # type: ignore[arg-type]
+    elif run_check:
+        gshape = _checked_global_shape(local_tensor, mesh, pl, order)
+        gstride = contiguous_strides(gshape)
+    else:
+        gshape = global_shape_from_local(local_tensor.shape, mesh.shape, pl)
+        gstride = contiguous_strides(gshape)
+    if run_check:
+        for i, p in enumerate(pl):
+            if isinstance(p, Replicate) and mesh.shape[i] > 1:
+                with torch.no_grad():
+                    synced = comm.broadcast(local_tensor.detach().clone(), mesh.get_group(i), mesh.shape[i], mesh.ranks_along(i)[0])
+                local_tensor = local_tensor + (synced - local_tensor).detach() if local_tensor.requires_grad else synced
+    spec = DTensorSpec(mesh, pl, TensorMeta(torch.Size(gshape), gstride, local_tensor.dtype), order)
+    return _FromLocal.apply(local_tensor, spec)  # type: ignore[no-any-return]
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: Optional[DeviceMesh] = None,
+    placements: Optional[Sequence[Placement]] = None,
+    *,
+    src_data_rank: Optional[int] = 0,
+    shard_order: ShardOrderLike = None,
+) -> DTensor:
+    """Split a full tensor over the mesh by `placements` (default: replicate).
+
+    The data of global rank `src_data_rank` is used (broadcast first); with
+    `src_data_rank=None` every rank takes its piece from its own copy, with no communication.
+    The result is a leaf with the input's `requires_grad`.
+    """
+    mesh, placements = _resolve(device_mesh, placements)
+    if isinstance(tensor, DTensor):
+        if tensor.device_mesh != mesh:
+            raise ValueError(f"distribute_tensor got a DTensor on {tensor.device_mesh!r}, not on {mesh!r}")
+        return tensor.redistribute(mesh, placements, shard_order=shard_order)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"distribute_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+    pl = normalize_placements(placements, mesh.ndim, tensor.ndim)
+    order = normalize_shard_order(pl, shard_order, tensor.ndim)
+    full = tensor.detach()
+    if src_data_rank is not None:
+        ranks = mesh.mesh.flatten().tolist()
+        if src_data_rank not in ranks:
+            raise ValueError(f"src_data_rank={src_data_rank} is not a rank of the mesh {mesh.mesh.tolist()}")
+        src_coord = [int(x) for x in (mesh.mesh == src_data_rank).nonzero()[0].tolist()]
+        full = full.clone()
+        for i in reversed(range(mesh.ndim)):
+            if mesh.shape[i] > 1:
+                full = comm.broadcast(full, mesh.get_group(i), mesh.shape[i], mesh.ranks_along(i)[src_coord[i]])
+    meta = TensorMeta(tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
+    replicated = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta)
+    target = DTensorSpec(mesh, pl, meta, order)
+    local = redistribute_local(full, replicated, target)
+    if local.numel() < full.numel() or local.data_ptr() == tensor.data_ptr():
+        local = local.clone()
+    return DTensor(local, target, requires_grad=tensor.requires_grad)
+
+
+# -- factories ---------------------------------------------------------------------
+
+def _factory(
+    make: Callable[[tuple[int, ...], tuple[int, ...], TensorMeta, DeviceMesh], torch.Tensor],
+    size: tuple[Any, ...],
+    dtype: Optional[torch.dtype],
+    requires_grad: bool,
+    device_mesh: Optional[DeviceMesh],
+    placements: Optional[Sequence[Placement]],
+    shard_order: ShardOrderLike,
+    zero_partials: bool = True,
+) -> DTensor:
+    if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
+        size = tuple(size[0])
+    if not all(isinstance(s, int) and s >= 0 for s in size):
+        raise ValueError(f"size {size} must be non-negative ints")
+    mesh, placements = _resolve(device_mesh, placements)
+    shape = tuple(size)
+    pl = normalize_placements(placements, mesh.ndim, len(shape))
+    order = normalize_shard_order(pl, shard_order, len(shape))
+    meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype or torch.get_default_dtype())
+    spec = DTensorSpec(mesh, pl, meta, order)
+    coordinate = mesh._coordinate or (0,) * mesh.ndim
+    local_shape, offset = spec.local_shape_and_offset(coordinate)
+    local = make(local_shape, offset, meta, mesh)
+    if zero_partials and any(isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[i] != 0 for i, p in enumerate(pl)):
+        local = torch.zeros_like(local)
+    local.requires_grad_(requires_grad)
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+_SizeArg = Union[int, Sequence[int]]
+
+
+def zeros(*size: Any, dtype: Optional[torch.dtype] = None, requires_grad: bool = False,
+          device_mesh: Optional[DeviceMesh] = None, placements: Optional[Sequence[Placement]] = None,
+          shard_order: ShardOrderLike = None) -> DTensor:
+    """A DTensor of zeros; each rank allocates only its piece."""
+    return _factory(lambda s, o, m, mesh: torch.zeros(s, dtype=m.dtype), size, dtype, requires_grad, device_mesh, placements, shard_order)
+
+
+def ones(*size: Any, dtype: Optional[torch.dtype] = None, requires_grad: bool = False,
+         device_mesh: Optional[DeviceMesh] = None, placements: Optional[Sequence[Placement]] = None,
+         shard_order: ShardOrderLike = None) -> DTensor:
+    """A DTensor of ones; each rank allocates only its piece."""
+    return _factory(lambda s, o, m, mesh: torch.ones(s, dtype=m.dtype), size, dtype, requires_grad, device_mesh, placements, shard_order)
+
+
+def empty(*size: Any, dtype: Optional[torch.dtype] = None, requires_grad: bool = False,
+          device_mesh: Optional[DeviceMesh] = None, placements: Optional[Sequence[Placement]] = None,
+          shard_order: ShardOrderLike = None) -> DTensor:
+    """An uninitialized DTensor; each rank allocates only its piece."""
+    return _factory(lambda s, o, m, mesh: torch.empty(s, dtype=m.dtype), size, dtype, requires_grad, device_mesh, placements, shard_order, zero_partials=False)
+
+
+def full(size: Sequence[int], fill_value: Any, *, dtype: Optional[torch.dtype] = None, requires_grad: bool = False,
+         device_mesh: Optional[DeviceMesh] = None, placements: Optional[Sequence[Placement]] = None,
+         shard_order: ShardOrderLike = None) -> DTensor:
+    """A DTensor filled with `fill_value`; each rank allocates only its piece."""
+    return _factory(lambda s, o, m, mesh: torch.full(s, fill_value, dtype=m.dtype), (tuple(size),), dtype, requires_grad, device_mesh, placements, shard_order)
+
+
+def rand(*size: Any, dtype: Optional[torch.dtype] = None, requires_grad: bool = False,
+         device_mesh: Optional[DeviceMesh] = None, placements: Optional[Sequence[Placement]] = None,
+         shard_order: ShardOrderLike = None) -> DTensor:
+    """Uniform [0, 1) DTensor; the same global values under every layout for one seed."""
+    def make(s: tuple[int, ...], o: tuple[int, ...], m: TensorMeta, mesh: DeviceMesh) -> torch.Tensor:
+        return _random.uniform_local(s, o, m.shape, _random.next_seed(mesh), 0, m.dtype)
+    return _factory(make, size, dtype, requires_grad, device_mesh, placements, shard_order)
+
+
+def randn(*size: Any, dtype: Optional[torch.dtype] = None, requires_grad: bool = False,
+          device_mesh: Optional[DeviceMesh] = None, placements: Optional[Sequence[Placement]] = None,
+          shard_order: ShardOrderLike = None) -> DTensor:
+    """Standard normal DTensor; the same global values under every layout for one seed."""
+    def make(s: tuple[int, ...], o: tuple[int, ...], m: TensorMeta, mesh: DeviceMesh) -> torch.Tensor:
+        return _random.normal_local(s, o, m.shape, _random.next_seed(mesh), 0, m.dtype)
+    return _factory(make, size, dtype, requires_grad, device_mesh, placements, shard_order)

@@ -1,0 +1,210 @@
+"""`DTensor`: a `torch.Tensor` whose data is spread over a device mesh by a layout.
+
+It is a wrapper subclass: the outer tensor carries the global shape, dtype and autograd
+state; `_local_tensor` holds this rank's piece and `_spec` the layout. Every aten op on
+it goes through `__torch_dispatch__` (see `_dispatch.py`).
+
+`from_local`, `to_local`, `redistribute` and `full_tensor` are autograd functions, so a
+DTensor can live in only part of a model: gradients that flow through them are the
+single-device gradients, redistributed to the layout each side expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from .._layout import ShardOrderLike, normalize_placements, normalize_shard_order
+from .._mesh import DeviceMesh
+from .._placement import Partial, Placement, Replicate
+from .._spec import DTensorSpec
+from ._redistribute import redistribute_local
+
+__all__ = ["DTensor"]
+
+
+class DTensor(torch.Tensor):
+    """A distributed tensor: global metadata outside, this rank's piece inside."""
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+    __slots__ = ("_local_tensor", "_spec")
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
+        meta = spec.tensor_meta
+        r = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls,
+            meta.shape,
+            strides=meta.stride,
+            dtype=meta.dtype,
+            device=local_tensor.device,
+            layout=local_tensor.layout,
+            requires_grad=requires_grad,
+        )
+        r._local_tensor = local_tensor
+        r._spec = spec
+        return r  # type: ignore[no-any-return]
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+        return _dispatch(func, args, kwargs or {})
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh!r}, "
+            f"placements={self._spec.placements})"
+        )
+
+    # -- layout --------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        mesh = self._spec.mesh
+        assert isinstance(mesh, DeviceMesh)
+        return mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def shard_order(self) -> dict[int, tuple[int, ...]]:
+        """Tensor dim -> mesh dims that split it, outermost first (sharded dims only)."""
+        return self._spec.split_orders()
+
+    # -- conversions ---------------------------------------------------------------
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: Optional[DeviceMesh] = None,
+        placements: Optional[Sequence[Placement]] = None,
+        *,
+        run_check: bool = False,
+        shape: Optional[Sequence[int]] = None,
+        stride: Optional[Sequence[int]] = None,
+        shard_order: ShardOrderLike = None,
+    ) -> DTensor:
+        """Wrap this rank's piece as a DTensor (differentiable; see `shardwise.from_local`)."""
+        from ._api import from_local
+
+        return from_local(
+            local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride, shard_order=shard_order
+        )
+
+    def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
+        """This rank's piece as a plain tensor (differentiable).
+
+        `grad_placements` declares the layout of the gradient that will flow back into the
+        returned tensor (default: this tensor's placements).
+        """
+        if not torch.is_grad_enabled():
+            return self._local_tensor
+        grad_spec = self._spec
+        if grad_placements is not None:
+            grad_spec = self._spec.with_placements(
+                normalize_placements(grad_placements, self._spec.mesh.ndim, self.ndim, what="grad_placements")
+            )
+        return _ToLocal.apply(self, grad_spec)  # type: ignore[no-any-return]
+
+    def redistribute(
+        self,
+        device_mesh: Optional[DeviceMesh] = None,
+        placements: Optional[Sequence[Placement]] = None,
+        *,
+        async_op: bool = False,
+        shard_order: ShardOrderLike = None,
+    ) -> DTensor:
+        """This tensor in another layout, moved with the fewest bytes (see `explain_redistribute`).
+
+        Redistributing to `Partial` is refused (it is the result of ops, not a target), except
+        that a mesh dim already `Partial` may stay so. `async_op` is accepted for API
+        compatibility; on gloo the collectives run synchronously.
+        """
+        spec = self._spec
+        if device_mesh is not None and device_mesh != spec.mesh:
+            raise NotImplementedError(
+                f"redistribute across meshes ({spec.mesh!r} -> {device_mesh!r}) is not supported yet: "
+                f"use full_tensor() and distribute_tensor() onto the new mesh"
+            )
+        if placements is None:
+            placements = spec.placements
+        target = normalize_placements(placements, spec.mesh.ndim, self.ndim)
+        for i, (old, new) in enumerate(zip(spec.placements, target)):
+            if isinstance(new, Partial) and new != old:
+                raise ValueError(
+                    f"cannot redistribute {spec.layout_str()} to {new} on mesh dim {i}: Partial is produced by "
+                    f"ops (e.g. a sharded contraction), not requested; use Replicate() or Shard(dim)"
+                )
+        order = normalize_shard_order(target, shard_order, self.ndim)
+        target_spec = spec.with_placements(target, order)
+        if target_spec == spec:
+            return self
+        return _Redistribute.apply(self, target_spec)  # type: ignore[no-any-return]
+
+    def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
+        """The whole global tensor on every rank (differentiable)."""
+        replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+
+def _grad_target(spec: DTensorSpec) -> DTensorSpec:
+    """Layout a gradient must take to flow back to an input of layout `spec`.
+
+    The gradient of every term of a Partial sum is the full gradient, so Partial -> Replicate.
+    """
+    if not spec.has_partial():
+        return spec
+    return spec.with_placements(
+        tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements), spec.shard_order
+    )
+
+
+def _grad_to(grad: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """Local piece of `grad` (a DTensor) in the layout `spec` wants."""
+    assert isinstance(grad, DTensor)
+    target = _grad_target(spec)
+    return redistribute_local(grad._local_tensor, grad._spec, target)
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, target: DTensorSpec) -> DTensor:  # type: ignore[override]
+        ctx.src_spec = x._spec
+        local = redistribute_local(x._local_tensor, x._spec, target)
+        return DTensor(local, target, requires_grad=x.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[Optional[DTensor], None]:  # type: ignore[override]
+        spec = _grad_target(ctx.src_spec)
+        local = _grad_to(grad, ctx.src_spec)
+        return DTensor(local, spec, requires_grad=False), None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:  # type: ignore[override]
+        ctx.grad_spec = grad_spec
+        local = x._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
+        return DTensor(grad, ctx.grad_spec, requires_grad=False), None
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> DTensor:  # type: ignore[override]
+        ctx.spec = spec
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _grad_to(grad, ctx.spec), None
+
+
+from ._dispatch import dispatch as _dispatch  # noqa: E402  (dispatch needs DTensor defined)
