@@ -67,6 +67,10 @@ def _record(op: str, n: int, nbytes: float) -> None:
         log.append(CommRecord(op, n, int(nbytes)))
 
 
+# torch 2.13 renamed the tensor-in, tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -89,11 +93,11 @@ def all_gather_cat(local: torch.Tensor, group: Any, n: int, tensor_dim: int, pie
     biggest = max(pieces)
     front = _pad_to(local.movedim(tensor_dim, 0), biggest).contiguous()  # (biggest, ...)
     out = front.new_empty((n * biggest,) + tuple(front.shape[1:]))
-    dist.all_gather_into_tensor(out, front, group=group)
+    _all_gather_single(out, front, group=group)
     _record("all_gather", n, (n - 1) * front.numel() * front.element_size())
     if any(p != biggest for p in pieces):
         out = torch.cat([out.narrow(0, j * biggest, p) for j, p in enumerate(pieces)])
-    return out.movedim(0, tensor_dim)
+    return out.movedim(0, tensor_dim).contiguous()
 
 
 def all_to_all_cat(
@@ -151,10 +155,10 @@ def reduce_scatter_cat(
         front = torch.cat([_pad_to(c, biggest) for c in torch.split(front, list(pieces))])
     front = front.contiguous()
     out = front.new_empty((biggest,) + tuple(front.shape[1:]))
-    dist.reduce_scatter_tensor(out, front, op=_DIST_OPS[op], group=group)
+    _reduce_scatter_single(out, front, op=_DIST_OPS[op], group=group)
     _record("reduce_scatter", n, (n - 1) * out.numel() * out.element_size())
     out = _finish_avg(out, op, n)
-    return out.narrow(0, 0, pieces[index]).movedim(0, tensor_dim)
+    return out.narrow(0, 0, pieces[index]).movedim(0, tensor_dim).contiguous()
 
 
 def broadcast(tensor: torch.Tensor, group: Any, n: int, src: int) -> torch.Tensor:
@@ -170,7 +174,7 @@ def all_gather_ints(values: Sequence[int], group: Any, n: int) -> list[list[int]
     """Every rank's list of ints (all lists the same length): for metadata checks."""
     t = torch.tensor(list(values), dtype=torch.int64)
     out = t.new_empty(n * len(values))
-    dist.all_gather_into_tensor(out, t, group=group)
+    _all_gather_single(out, t, group=group)
     _record("all_gather", n, (n - 1) * t.numel() * t.element_size())
     return out.view(n, len(values)).tolist()
 

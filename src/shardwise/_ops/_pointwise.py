@@ -8,7 +8,8 @@ broadcast). `Partial` survives only where the op is linear in it:
 |---|---|
 | add, sub (tensor + tensor) | every input is the same P(sum) or P(avg) |
 | mul, div (P first for div) | exactly one input is P(sum)/P(avg), the others Replicate or Python scalars |
-| neg, clone, detach, casts | always (one input) |
+| clone, detach, casts | always (one input) |
+| neg | P(sum) or P(avg) (it would turn max into min) |
 
 Anything else reduces the Partial input first (`P(sum) + R` is `all_reduce` then add,
 never a silently wrong local add). In-place ops keep their self layout; an in-place op
@@ -34,11 +35,13 @@ aten = torch.ops.aten
 _ADDITIVE = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}
 _MULTIPLICATIVE = {aten.mul.Tensor, aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor}
 _DIVISION = {aten.div.Tensor, aten.div_.Tensor}
-_UNARY_LINEAR = {
-    aten.neg.default, aten.neg_.default, aten.clone.default, aten.detach.default, aten.alias.default,
-    aten.contiguous.default, aten._to_copy.default, aten.positive.default,
-    aten.zero_.default, aten.lift_fresh.default,
+# One input, output = f(input) with f monotone and additive: every Partial survives.
+_IDENTITY_LIKE = {
+    aten.clone.default, aten.detach.default, aten.alias.default, aten.contiguous.default,
+    aten._to_copy.default, aten.positive.default, aten.zero_.default, aten.lift_fresh.default,
 }
+# Additive but order-reversing: P(sum)/P(avg) survive, P(max)/P(min) would swap.
+_NEGATION = {aten.neg.default, aten.neg_.default}
 
 
 def _is_inplace(op: torch._ops.OpOverload) -> bool:
@@ -54,10 +57,12 @@ def _partial_kept(op: torch._ops.OpOverload, args: tuple[Any, ...], i: int) -> O
         return None
     first = partials[0][1]
     assert isinstance(first, Partial)
-    if op in _UNARY_LINEAR:
+    if op in _IDENTITY_LIKE:
         return first if len(dspecs) == 1 else None
     if first.reduce_op not in ("sum", "avg"):
         return None
+    if op in _NEGATION:
+        return first
     if op in _ADDITIVE:
         tensors = args[:2]
         if all(isinstance(a, DTensorSpec) and a.placements[i] == first for a in tensors):
@@ -164,7 +169,7 @@ def _order_for_input(out_order: ShardOrder, spec: DTensorSpec, out_shape: torch.
 
 
 def _pointwise_ops() -> list[torch._ops.OpOverload]:
-    ops = set(_UNARY_LINEAR) | {aten.copy_.default}
+    ops = _IDENTITY_LIKE | _NEGATION | {aten.copy_.default}
     for name in dir(aten):
         packet = getattr(aten, name, None)
         if not isinstance(packet, torch._ops.OpOverloadPacket):

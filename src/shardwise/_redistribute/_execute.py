@@ -35,7 +35,7 @@ def execute_plan(local: torch.Tensor, plan: RedistributePlan, groups: Sequence[A
             assert isinstance(step.dst, Shard)
             d = step.dst.dim
             start, length = chunk_range(local.size(d), n, me)
-            local = local.narrow(d, start, length)
+            local = local.narrow(d, start, length).contiguous()
         elif kind == "partialize":
             assert isinstance(step.dst, Partial)
             if step.dst.reduce_op == "sum" and me != 0:

@@ -15,6 +15,9 @@ one mesh dim:
 | chunk | R -> S(d) | i becomes d's innermost | 0 |
 | partialize | R -> P(op) | only towards a target with P(op) on i | 0 |
 
+Several Partial mesh dims mean the global value is reduced innermost mesh dim first; a
+max/min Partial is reduced only after the later Partial mesh dims it does not commute with.
+
 The cost of a step is its bytes divided by the mesh dim's relative bandwidth (default 1
 for every mesh dim), with the sizes those of the largest piece (`torch.chunk` puts it on
 the first rank; gloo collectives pad to it). The plan is a shortest path (Dijkstra) over
@@ -138,6 +141,8 @@ def _edges(
     for i, p in enumerate(placements):
         n = mesh_shape[i]
         if isinstance(p, Partial):
+            if not _reducible(placements, i):
+                continue
             out.append(("all_reduce", i, Replicate(), 2 * (n - 1) / n * local, moved(i, Replicate(), list(orders))))
             for d in range(ndim):
                 o = list(orders)
@@ -164,6 +169,24 @@ def _edges(
             if isinstance(dst[i], Partial):
                 out.append(("partialize", i, dst[i], 0.0, moved(i, dst[i], list(orders))))
     return out
+
+
+def _commute(a: str, b: str) -> bool:
+    return a == b or {a, b} <= {"sum", "avg"}
+
+
+def _reducible(placements: tuple[Placement, ...], i: int) -> bool:
+    """Whether the Partial on mesh dim i may be reduced now.
+
+    Several Partial mesh dims reduce innermost (last mesh dim) first; sum and avg commute with
+    each other, but max/min do not commute with anything else, so such a mesh dim waits until
+    the later, non-commuting Partial mesh dims are reduced.
+    """
+    op = placements[i]
+    assert isinstance(op, Partial)
+    return all(
+        _commute(op.reduce_op, q.reduce_op) for q in placements[i + 1 :] if isinstance(q, Partial)
+    )
 
 
 @functools.lru_cache(maxsize=8192)

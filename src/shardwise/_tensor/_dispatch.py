@@ -46,7 +46,9 @@ def _schema_arg(a: Any, func: Any) -> Any:
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:
             return ScalarTensor(a.dtype, a.device.type)
-        raise TypeError(
+        # ValueError, not TypeError: torch turns a TypeError inside `a + b` into NotImplemented,
+        # and Python would replace this message with "unsupported operand type(s)".
+        raise ValueError(
             f"{func} got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensors: wrap it with "
             f"shardwise.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements) first"
         )

@@ -1,0 +1,88 @@
+"""Helpers for multi-rank tests: layouts to sweep and DTensors with a known global value."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise import DTensor, Partial, Placement, Replicate, Shard
+
+Layout = tuple[tuple[Placement, ...], Optional[dict[int, tuple[int, ...]]]]
+
+
+def layouts(mesh_ndim: int, tensor_ndim: int, partials: Sequence[str] = ("sum",)) -> Iterator[Layout]:
+    """Every combination of Shard(d) / Replicate / Partial per mesh dim, plus reversed split orders."""
+    choices: list[Placement] = [Shard(d) for d in range(tensor_ndim)] + [Replicate()] + [Partial(op) for op in partials]
+    for combo in itertools.product(choices, repeat=mesh_ndim):
+        yield combo, None
+        for d in range(tensor_ndim):
+            ms = tuple(m for m, p in enumerate(combo) if p == Shard(d))
+            if len(ms) > 1:
+                yield combo, {d: tuple(reversed(ms))}
+
+
+def expected_piece(full: torch.Tensor, mesh_shape: Sequence[int], placements: Sequence[Placement],
+                   coordinate: Sequence[int], order: Optional[dict[int, tuple[int, ...]]] = None) -> torch.Tensor:
+    """The piece a rank should hold, by literally applying torch.chunk in split order."""
+    splitters: dict[int, list[int]] = {}
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            splitters.setdefault(p.dim, []).append(m)
+    for d, ms in (order or {}).items():
+        splitters[d] = list(ms)
+    piece = full
+    for d, ms in splitters.items():
+        for m in ms:
+            chunks = list(torch.chunk(piece, mesh_shape[m], dim=d))
+            while len(chunks) < mesh_shape[m]:
+                chunks.append(piece.narrow(d, 0, 0))
+            piece = chunks[coordinate[m]]
+    return piece
+
+
+def make_dtensor(full: torch.Tensor, mesh: sw.DeviceMesh, placements: Sequence[Placement],
+                 order: Optional[dict[int, tuple[int, ...]]] = None, requires_grad: bool = False) -> DTensor:
+    """A DTensor whose global value is `full`, with genuinely different terms on Partial dims."""
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    piece = expected_piece(full, mesh.shape, placements, coord, order).clone()
+    for i, p in enumerate(placements):
+        if not isinstance(p, Partial):
+            continue
+        n, c = mesh.shape[i], coord[i]
+        # The terms split along mesh dim i may depend only on which piece is being split: the
+        # Shard coordinates and the earlier (outer) Partial coordinates. Along Replicate and
+        # later Partial mesh dims they must be identical (the global value reduces innermost first).
+        others = tuple(
+            x for j, x in enumerate(coord)
+            if isinstance(placements[j], Shard) or (j < i and isinstance(placements[j], Partial))
+        )
+        noise = []
+        for k in range(n):
+            g = torch.Generator().manual_seed(hash((i, k, others)) & 0xFFFF)
+            noise.append(torch.randn(piece.shape, generator=g, dtype=piece.dtype))
+        mean = torch.stack(noise).mean(0) if noise else 0
+        if p.reduce_op == "sum":
+            piece = piece / n + (noise[c] - mean)
+        elif p.reduce_op == "avg":
+            piece = piece + (noise[c] - mean)
+        elif p.reduce_op == "max":
+            piece = piece if c == 0 else piece - noise[c].abs()
+        else:
+            piece = piece if c == 0 else piece + noise[c].abs()
+    piece.requires_grad_(requires_grad)
+    return DTensor.from_local(piece, mesh, placements, shape=full.shape, stride=full.stride(), shard_order=order)
+
+
+def seeded(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The same tensor on every rank."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def rank() -> int:
+    return dist.get_rank()
