@@ -9,9 +9,9 @@ moved when a `comm_log()` is active. Timeouts are those of the process groups
 | transition on one mesh dim | collective here | bytes received per rank |
 |---|---|---|
 | S(d) -> R | `all_gather_cat` | (n-1) * piece |
-| S(d) -> S(e) | `all_to_all_cat` (gloo's all_to_all_single) | (n-1)/n * local |
+| S(d) -> S(e) | `all_to_all_cat` (gloo's all_to_all_single) | (n-1)/n * local (exact sizes) |
 | P -> R | `all_reduce` | 2(n-1)/n * local (ring) |
-| P -> S(d) | `reduce_scatter_cat` | (n-1)/n * local |
+| P -> S(d) | `reduce_scatter_cat` | (n-1) * piece |
 """
 
 from __future__ import annotations

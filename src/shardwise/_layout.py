@@ -112,10 +112,14 @@ def normalize_shard_order(
     items = shard_order.items() if isinstance(shard_order, Mapping) else shard_order
     default = split_orders(placements)
     out: list[tuple[int, tuple[int, ...]]] = []
+    seen: set[int] = set()
     for d, ms in items:
         if not isinstance(d, int) or not -tensor_ndim <= d < tensor_ndim:
             raise ValueError(f"shard_order names tensor dim {d!r}, out of range for a {tensor_ndim}-D tensor")
         d = d % tensor_ndim
+        if d in seen:
+            raise ValueError(f"shard_order gives tensor dim {d} more than one split order: give each tensor dim once")
+        seen.add(d)
         ms = tuple(ms)
         want = default.get(d, ())
         if sorted(ms) != list(want):

@@ -162,3 +162,25 @@ def _like_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
     spec = schema.args_schema[0]
     assert isinstance(spec, DTensorSpec)
     return OutputSharding((None,), Layout(_replicate_partials(spec), spec.shard_order))
+
+
+@register_rule(aten.unsqueeze.default)
+def _unsqueeze_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
+    spec, dim = schema.args_schema[0], schema.args_schema[1]
+    assert isinstance(spec, DTensorSpec)
+    dim = dim % (spec.ndim + 1)
+    out = tuple(Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements)
+    order = tuple((d + (d >= dim), ms) for d, ms in spec.shard_order)
+    return OutputSharding((None,), Layout(out, order))
+
+
+@register_rule([aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default])
+def _squeeze_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
+    spec = schema.args_schema[0]
+    assert isinstance(spec, DTensorSpec)
+    arg = schema.args_schema[1] if len(schema.args_schema) > 1 else None
+    wanted = range(spec.ndim) if arg is None else ([arg] if isinstance(arg, int) else list(arg))
+    gone = {d % max(spec.ndim, 1) for d in wanted if spec.ndim and spec.shape[d % spec.ndim] == 1}
+    need = tuple(Replicate() if isinstance(p, Shard) and p.dim in gone else p for p in spec.placements)
+    out = tuple(Shard(p.dim - sum(g < p.dim for g in gone)) if isinstance(p, Shard) else p for p in need)
+    return OutputSharding((_need(spec, need),), Layout(out))

@@ -9,7 +9,7 @@ one mesh dim:
 | step | from -> to on mesh dim i | condition | bytes received per rank |
 |---|---|---|---|
 | all_gather | S(d) -> R | i splits d innermost | (n-1) * piece |
-| all_to_all | S(d) -> S(e) | i splits d innermost; i becomes e's innermost | (n-1)/n * local |
+| all_to_all | S(d) -> S(e) | i splits d innermost; i becomes e's innermost | (n-1) * (local / n along e) |
 | all_reduce | P(op) -> R | | 2(n-1)/n * local |
 | reduce_scatter | P(op) -> S(d) | i becomes d's innermost | (n-1) * output piece |
 | chunk | R -> S(d) | i becomes d's innermost | 0 |
@@ -42,7 +42,7 @@ from .._placement import Partial, Placement, Replicate, Shard
 __all__ = ["Step", "RedistributePlan", "plan_redistribute", "COST_MODEL"]
 
 COST_MODEL = (
-    "bytes received per rank, ring lower bounds: all_gather (n-1)*piece, all_to_all (n-1)/n*local, "
+    "bytes received per rank, ring lower bounds: all_gather (n-1)*piece, all_to_all (n-1)*(local/n), "
     "all_reduce 2(n-1)/n*local, reduce_scatter (n-1)*piece; pieces at their largest (uneven sizes padded); "
     "each step's bytes divided by its mesh dim's relative bandwidth"
 )
@@ -160,7 +160,10 @@ def _edges(
                 if e != d:
                     o = list(base)
                     o[e] = o[e] + (i,)
-                    out.append(("all_to_all", i, Shard(e), (n - 1) / n * local, moved(i, Shard(e), o)))
+                    # n-1 pieces of the local tensor split n ways along e, at their largest
+                    size_e = _local_numel(global_shape[e : e + 1], mesh_shape, orders[e : e + 1])
+                    piece = local // max(size_e, 1) * -(-size_e // n)
+                    out.append(("all_to_all", i, Shard(e), float((n - 1) * piece), moved(i, Shard(e), o)))
         else:
             for d in range(ndim):
                 o = list(orders)

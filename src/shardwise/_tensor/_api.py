@@ -130,7 +130,8 @@ def distribute_tensor(
 ) -> DTensor:
     """Split a full tensor over the mesh by `placements` (default: replicate).
 
-    The data of global rank `src_data_rank` is used (broadcast first); with
+    The data of the mesh's `src_data_rank`-th rank (row-major; default its first) is used,
+    broadcast first; with
     `src_data_rank=None` every rank takes its piece from its own copy, with no communication.
     The result is a leaf with the input's `requires_grad`.
     """
@@ -145,10 +146,12 @@ def distribute_tensor(
     order = normalize_shard_order(pl, shard_order, tensor.ndim)
     full = tensor.detach()
     if src_data_rank is not None:
-        ranks = mesh.mesh.flatten().tolist()
-        if src_data_rank not in ranks:
-            raise ValueError(f"src_data_rank={src_data_rank} is not a rank of the mesh {mesh.mesh.tolist()}")
-        src_coord = [int(x) for x in (mesh.mesh == src_data_rank).nonzero()[0].tolist()]
+        if not 0 <= src_data_rank < mesh.size():
+            raise ValueError(
+                f"src_data_rank={src_data_rank} is not a position in the mesh of {mesh.size()} ranks: "
+                f"use an index in [0, {mesh.size() - 1}] (row-major over {mesh.mesh.tolist()}) or None"
+            )
+        src_coord = [int(c) for c in torch.unravel_index(torch.tensor(src_data_rank), mesh.shape)]
         full = full.clone()
         for i in reversed(range(mesh.ndim)):
             if mesh.shape[i] > 1:

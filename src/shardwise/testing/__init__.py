@@ -10,8 +10,8 @@ session). Env `SHARDWISE_TEST_TIMEOUT` sets the default time a body may take (60
 
 from ._decorator import distributed
 from ._pool import shutdown_pools
+from ._report import DistributedTestError, RankFailure
 from ._run import run_distributed
 from ._settings import default_timeout
-from ._report import DistributedTestError, RankFailure
 
 __all__ = ["DistributedTestError", "RankFailure", "default_timeout", "distributed", "run_distributed", "shutdown_pools"]

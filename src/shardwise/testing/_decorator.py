@@ -72,11 +72,11 @@ def distributed(world_size: int = 4, timeout: Optional[float] = None) -> Callabl
 class _Body:
     """A test function decorated with `distributed`, by name; calling it runs the body."""
 
-    module: str
+    body_module: str
     qualname: str
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        found = getattr(importlib.import_module(self.module), self.qualname)
+        found = getattr(importlib.import_module(self.body_module), self.qualname)
         wrapper = inspect.unwrap(found, stop=lambda f: hasattr(f, _BODY))
         return getattr(wrapper, _BODY)(*args, **kwargs)
 

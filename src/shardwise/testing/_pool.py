@@ -31,7 +31,7 @@ from typing import Any, Union
 import torch.distributed as dist
 
 from ._report import DistributedTestError, RankFailure
-from ._settings import collective_timeout, default_timeout
+from ._settings import DEFAULT_TIMEOUT, collective_timeout, default_timeout
 from ._worker import HARNESS_DIR, Done, Raised, serve
 
 __all__ = ["pool_for", "shutdown_pools"]
@@ -59,14 +59,32 @@ class _Pool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.closed = False
-        ctx = mp.get_context("spawn")
         # The rendezvous server; it lives as long as this object holds it.
         self._store: Any = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
         self._dir = tempfile.TemporaryDirectory(prefix=f"shardwise-pool{world_size}-")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []  # multiprocessing's SpawnProcess
-        port = self._store.port
-        collective = str(collective_timeout())
+
+    @classmethod
+    def start(cls, world_size: int) -> _Pool:
+        """Start the workers and wait until every one has joined the process group."""
+        __tracebackhide__ = True
+        pool = cls(world_size)
+        limit = max(default_timeout(), DEFAULT_TIMEOUT)  # a short test timeout is no reason to give up on start-up
+        try:
+            pool._spawn()
+            _, failures, pending = pool._collect(time.monotonic() + limit)
+        except BaseException:
+            pool.kill()
+            raise
+        if failures or pending:
+            late = f"did not join the process group within {limit:g} s"
+            pool._fail(f"starting a pool of {world_size} workers", failures, pending, late)
+        return pool
+
+    def _spawn(self) -> None:
+        ctx = mp.get_context("spawn")  # never fork: the parent has torch's threads running
+        world_size, port, collective = self.world_size, self._store.port, str(collective_timeout())
         for rank in range(world_size):
             env = {
                 "RANK": str(rank),
@@ -85,29 +103,13 @@ class _Pool:
             self._conns.append(ours)
             self._procs.append(proc)
 
-    @classmethod
-    def start(cls, world_size: int) -> _Pool:
-        """Start the workers and wait until every one has joined the process group."""
-        __tracebackhide__ = True
-        pool = cls(world_size)
-        limit = default_timeout()
-        try:
-            _, failures, pending = pool._collect(time.monotonic() + limit)
-        except BaseException:
-            pool.kill()
-            raise
-        if failures or pending:
-            late = f"did not join the process group within {limit:g} s"
-            pool._fail(f"starting a pool of {world_size} workers", failures, pending, late)
-        return pool
-
     def alive(self) -> bool:
         return not self.closed and not wait([p.sentinel for p in self._procs], 0)
 
-    def run(self, task: bytes, timeout: float, name: str) -> list[Any]:
-        """Run one pickled task on every rank; see `run_distributed`."""
+    def run(self, task: bytes, rewritten: list[str], timeout: float, name: str) -> list[Any]:
+        """Run one pickled task on every rank, after importing the `rewritten` modules; see `run_distributed`."""
         __tracebackhide__ = True  # pytest shows the test's line, then the error
-        frame = pickle.dumps((list(sys.path), task), pickle.HIGHEST_PROTOCOL)
+        frame = pickle.dumps((list(sys.path), rewritten, task), pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self._conns:
                 with contextlib.suppress(OSError):  # a dead worker is reported by _collect

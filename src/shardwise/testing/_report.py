@@ -36,6 +36,9 @@ class DistributedTestError(AssertionError):
         self.failures = tuple(failures)
         super().__init__(_message(name, world_size, self.failures))
 
+    def __reduce__(self) -> tuple[type[DistributedTestError], tuple[str, int, tuple[RankFailure, ...]]]:
+        return type(self), (self.name, self.world_size, self.failures)
+
     @property
     def ranks(self) -> tuple[int, ...]:
         """The ranks named in the message, cause first."""

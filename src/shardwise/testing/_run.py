@@ -6,6 +6,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any, Optional
 
+from ._asserts import rewritten_by_pytest
 from ._pool import pool_for
 from ._settings import check_timeout, check_world_size, default_timeout
 
@@ -24,6 +25,10 @@ def run_distributed(
     finished after `timeout` seconds (default `default_timeout()`), this raises
     `DistributedTestError` naming the ranks and the pool of workers is replaced.
 
+    Each run starts from the state a fresh worker had (RNG, default dtype, grad mode,
+    environment, working directory); process groups made with `new_group` persist.
+    Workers are daemonic, so a body cannot start `multiprocessing` children.
+
     >>> import operator
     >>> run_distributed(operator.add, 2, 1, 2)
     [3, 3]
@@ -38,7 +43,9 @@ def run_distributed(
             f"run_distributed sends fn, args and kwargs to the workers by pickle, and {_name(fn)} "
             f"or its arguments cannot be pickled ({exc}): pass a module-level function and picklable arguments"
         ) from exc
-    return pool_for(world_size).run(task, limit, _name(fn))
+    module = getattr(fn, "body_module", None) or getattr(fn, "__module__", None)
+    rewritten = [module] if isinstance(module, str) and rewritten_by_pytest(module) else []
+    return pool_for(world_size).run(task, rewritten, limit, _name(fn))
 
 
 def _name(fn: object) -> str:

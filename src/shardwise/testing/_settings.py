@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["default_timeout", "collective_timeout", "check_world_size", "check_timeout"]
+__all__ = ["DEFAULT_TIMEOUT", "COLLECTIVE_TIMEOUT", "default_timeout", "collective_timeout", "check_world_size", "check_timeout"]
 
 DEFAULT_TIMEOUT = 60.0  # seconds per body, unless SHARDWISE_TEST_TIMEOUT says otherwise
 COLLECTIVE_TIMEOUT = 30.0  # seconds, unless SHARDWISE_COLLECTIVE_TIMEOUT says otherwise

@@ -6,12 +6,13 @@ multiprocessing's pickler, which would move tensors through shared memory):
 | direction | frame | meaning |
 |---|---|---|
 | worker -> parent | `Done(None, {})` | joined the process group, ready |
-| parent -> worker | `(sys.path, task bytes)` | run `fn(*args, **kwargs)` from the task bytes |
+| parent -> worker | `(sys.path, modules, task bytes)` | run `fn(*args, **kwargs)` from the task bytes |
 | worker -> parent | `Done(value, counts)` or `Raised(summary, traceback)` | the task's outcome |
 | parent -> worker | `b""` (or the pipe closes) | leave the process group and exit |
 
-The task is pickled twice so the worker can extend `sys.path` before it unpickles the
-function (pytest puts the rootdir on `sys.path` after the pool may have started).
+The task is pickled twice so the worker can prepare before it unpickles the function:
+extend `sys.path` (pytest puts the rootdir there after the pool may have started) and
+import `modules`, the body's test module if pytest rewrote its asserts, the same way.
 
 Between tasks the worker puts back what a body may cheaply change (RNG state, default
 dtype, grad mode, thread count, environment, working directory). What it cannot put
@@ -36,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ._asserts import import_rewritten
+
 __all__ = ["Done", "Raised", "serve", "HARNESS_DIR"]
 
 HARNESS_DIR = os.path.dirname(__file__)  # frames from here are the harness's, not the body's
@@ -54,7 +57,7 @@ class Done:
 
 @dataclass(frozen=True)
 class Raised:
-    """A task (or start-up) raised; `summary` is the exception's one-line form."""
+    """A task (or start-up) raised; `summary` is the exception's type and first line."""
 
     summary: str
     traceback: str
@@ -92,9 +95,11 @@ def serve(rank: int, world_size: int, port: int, conn: Connection, env: dict[str
 
 
 def _run(frame: bytes) -> bytes:
-    paths, task = pickle.loads(frame)
+    paths, rewritten, task = pickle.loads(frame)
     sys.path[:0] = [p for p in paths if p not in sys.path]
     try:
+        for module in rewritten:
+            import_rewritten(module)
         fn, args, kwargs = pickle.loads(task)
         value = fn(*args, **kwargs)
     except (Exception, SystemExit) as exc:
@@ -111,7 +116,8 @@ def _raised(exc: BaseException) -> Raised:
     tb = exc.__traceback__
     while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == HARNESS_DIR:
         tb = tb.tb_next
-    summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    lines = str(exc).strip().splitlines()
+    summary = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     return Raised(summary, "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__)))
 
 

@@ -1,0 +1,94 @@
+"""DeviceMesh on real process groups: coordinates, groups, sub-meshes, current mesh, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise import AbstractMesh, Replicate, Shard
+from shardwise.testing import distributed
+
+
+@distributed(world_size=4)
+def test_2d_mesh_coordinates_groups_and_sizes() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    r = dist.get_rank()
+    assert mesh.get_coordinate() == [r // 2, r % 2]
+    assert mesh.ndim == 2 and mesh.shape == (2, 2) and mesh.size() == 4 and mesh.size("tp") == 2
+    assert mesh.mesh.tolist() == [[0, 1], [2, 3]]
+    assert mesh.get_local_rank("dp") == r // 2 and mesh.get_local_rank(1) == r % 2
+    # collectives on a mesh dim's group reach exactly that slice
+    t = torch.tensor([float(r)])
+    dist.all_reduce(t, group=mesh.get_group("tp"))
+    assert t.item() == sum(mesh.ranks_along("tp"))
+    assert mesh.ranks_along("dp") == (r % 2, r % 2 + 2)
+
+
+@distributed(world_size=4)
+def test_sub_meshes_reuse_the_parent_groups() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    assert tp.ndim == 1 and tp.mesh_dim_names == ("tp",)
+    assert tp.mesh.tolist() == list(mesh.ranks_along("tp"))
+    assert tp.get_group() is mesh.get_group("tp")
+    both = mesh["tp", "dp"]  # reordered dims
+    assert both.shape == (2, 2) and both.mesh.tolist() == [[0, 2], [1, 3]]
+    assert both.get_group("dp") is mesh.get_group("dp")
+    # a DTensor on a sub-mesh works end to end
+    x = torch.arange(12.0).reshape(4, 3)
+    d = sw.distribute_tensor(x, tp, [Shard(0)])
+    assert torch.equal(d.full_tensor(), x)
+
+
+@distributed(world_size=4)
+def test_mesh_as_context_manager_is_the_current_mesh() -> None:
+    mesh = sw.init_device_mesh("cpu", (4,))
+    assert sw.current_mesh() is None
+    with pytest.raises(ValueError, match="no current mesh"):
+        sw.get_current_mesh()
+    with mesh:
+        assert sw.get_current_mesh() is mesh
+        z = sw.zeros(8, 2, placements=[Shard(0)])
+        assert z.device_mesh is mesh and z.to_local().shape == (2, 2)
+    assert sw.current_mesh() is None
+
+
+@distributed(world_size=4)
+def test_creating_the_same_mesh_twice_reuses_groups() -> None:
+    a = sw.init_device_mesh("cpu", (2, 2))
+    b = sw.init_device_mesh("cpu", (2, 2))
+    assert a == b and hash(a) == hash(b)
+    assert a.get_group(0) is b.get_group(0) and a.get_group(1) is b.get_group(1)
+
+
+@distributed(world_size=4)
+def test_mesh_errors_name_the_values() -> None:
+    with pytest.raises(ValueError, match=r"mesh_shape \(3,\) holds 3 ranks but the world has 4"):
+        sw.init_device_mesh("cpu", (3,))
+    with pytest.raises(ValueError, match=r"repeats \['tp'\]"):
+        sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "tp"))
+    with pytest.raises(ValueError, match=r"3 names for a 2-D mesh"):
+        sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b", "c"))
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"'pp' is not a dim of this mesh \(dim names: \('dp', 'tp'\)\)"):
+        mesh["pp"]
+    with pytest.raises(ValueError, match=r"mesh dim 2 is out of range for a 2-D mesh"):
+        mesh.size(2)
+    with pytest.raises(ValueError, match=r"placements \(S\(0\)\) has 1 entries but the mesh has 2 dims"):
+        sw.distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match=r"placements\[1\] = S\(2\) is out of range for a 2-D tensor: use a dim in \[-2, 1\]"):
+        sw.distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Shard(2)])
+    with pytest.raises(TypeError, match=r"placements\[0\] is 'S0'"):
+        sw.distribute_tensor(torch.ones(4, 4), mesh, ["S0", Replicate()])  # type: ignore[list-item]
+
+
+def test_abstract_mesh_needs_no_processes() -> None:
+    m = AbstractMesh((2, 4), ("dp", "tp"))
+    assert m.size() == 8 and m.size("tp") == 4 and m.mesh_dim_index("dp") == 0
+    assert m == AbstractMesh((2, 4), ("dp", "tp")) and m != AbstractMesh((4, 2), ("dp", "tp"))
+    with pytest.raises(ValueError, match=r"'x' is not a dim of this mesh"):
+        m.size("x")
+    plan = sw.plan_for(AbstractMesh((64, 8)), (4096, 4096), [Shard(0), Shard(1)], [Replicate(), Replicate()])
+    assert plan.bytes == (4096 * 4096 - 4096 * 4096 // 512) * 4  # all_gather lower bound over 512 ranks

@@ -1,0 +1,183 @@
+"""Pins the public surface of `shardwise`, runs every module's doctests, and checks that
+nothing under `src/` imports what the library replaces (DESIGN.md, "must not do")."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import importlib
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+import shardwise
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "shardwise"
+
+PUBLIC = [
+    "AbstractMesh",
+    "COST_MODEL",
+    "CommRecord",
+    "DTensor",
+    "DTensorSpec",
+    "DeviceMesh",
+    "Partial",
+    "Placement",
+    "RedistributePlan",
+    "Replicate",
+    "Shard",
+    "TensorMeta",
+    "comm_log",
+    "current_mesh",
+    "distribute_tensor",
+    "empty",
+    "explain_redistribute",
+    "from_local",
+    "full",
+    "get_current_mesh",
+    "init_device_mesh",
+    "manual_seed",
+    "ones",
+    "plan_for",
+    "rand",
+    "randn",
+    "zeros",
+]
+
+
+def test_public_surface_is_pinned() -> None:
+    assert list(shardwise.__all__) == PUBLIC, "update PUBLIC here when the public surface changes on purpose"
+
+
+def test_all_is_sorted_and_unique() -> None:
+    assert list(shardwise.__all__) == sorted(set(shardwise.__all__))
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_every_public_name_exists(name: str) -> None:
+    assert getattr(shardwise, name, None) is not None, name
+
+
+def test_star_import_gives_exactly_the_public_names() -> None:
+    namespace: dict[str, object] = {}
+    exec("from shardwise import *", namespace)
+    assert sorted(k for k in namespace if k != "__builtins__") == PUBLIC
+
+
+def test_public_objects_live_in_private_modules() -> None:
+    # public modules re-export; the implementation is private (STYLE.md, point 2)
+    for name in PUBLIC:
+        obj = getattr(shardwise, name)
+        module = getattr(obj, "__module__", None)
+        if module is not None and isinstance(obj, type | type(test_public_surface_is_pinned)):
+            assert any(part.startswith("_") for part in module.split(".")[1:]), (name, module)
+
+
+# --- doctests -------------------------------------------------------------------------
+
+# shardwise.testing starts worker processes in its examples; these tests stay pure.
+SPAWNS_PROCESSES = ("shardwise.testing",)
+
+
+def _modules() -> list[str]:
+    names = ["shardwise"] + [m.name for m in pkgutil.walk_packages(shardwise.__path__, "shardwise.")]
+    return [n for n in names if not n.startswith(SPAWNS_PROCESSES)]
+
+
+MODULES = _modules()
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_module_doctests_pass(name: str) -> None:
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, verbose=False)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} doctest examples in {name} failed"
+
+
+def test_the_layout_and_planning_modules_teach_by_example() -> None:
+    # the docstring examples must not silently disappear
+    for name in ("shardwise", "shardwise._placement", "shardwise._layout", "shardwise._redistribute._planner", "shardwise._explain"):
+        tests = doctest.DocTestFinder().find(importlib.import_module(name))
+        assert sum(len(t.examples) for t in tests) >= 1, name
+
+
+def test_every_module_file_has_its_doctests_run() -> None:
+    # a .py file outside any package (no __init__.py) would escape the doctest sweep
+    files = {
+        ".".join(("shardwise",) + p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+        for p in SRC.rglob("*.py")
+    }
+    assert {n for n in files if not n.startswith(SPAWNS_PROCESSES)} == set(MODULES)
+
+
+# --- forbidden imports ----------------------------------------------------------------
+
+FORBIDDEN = (
+    "torch.distributed.tensor",
+    "torch.distributed._tensor",
+    "torch.distributed.device_mesh",
+    "torch.distributed.pipelining",
+    "torch.distributed._shard",
+    "torch.distributed.fsdp",
+    "torch_xla",
+)
+_FORBIDDEN_RE = "|".join(re.escape(f) for f in FORBIDDEN)
+# `import x`, `import a, x as y`, `from x import y`, `from x.sub import y`
+IMPORT_LINE = re.compile(rf"^\s*(?:import\s+(?:[\w.]+(?:\s+as\s+\w+)?\s*,\s*)*|from\s+)(?:{_FORBIDDEN_RE})(?![\w])", re.M)
+
+
+def forbidden_imports(source: str) -> list[str]:
+    """Forbidden modules imported by `source`, by AST (any nesting) and by regex on the text."""
+    found = [m.group(0).strip() for m in IMPORT_LINE.finditer(source)]
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN):
+                found.append(name)
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed.tensor",
+        "import torch.distributed.tensor as dt",
+        "import os, torch_xla",
+        "from torch.distributed.device_mesh import DeviceMesh",
+        "from torch.distributed import fsdp",
+        "from torch.distributed._shard.sharding_plan import ShardingPlan",
+        "def f():\n    from torch.distributed.pipelining import pipeline\n",
+        "from torch_xla.distributed import spmd as xs",
+        "from torch.distributed._tensor import DTensor",
+    ],
+)
+def test_the_forbidden_import_check_catches(source: str) -> None:
+    assert forbidden_imports(source)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed as dist",
+        "from torch.distributed import ProcessGroup",
+        "import torch.distributed.tensor_parallel_helpers_of_ours",
+        '"""Mirrors torch.distributed.tensor and torch_xla."""',
+        "# from torch.distributed.tensor import DTensor",
+        "from torch.utils import _pytree",
+    ],
+)
+def test_the_forbidden_import_check_allows(source: str) -> None:
+    assert forbidden_imports(source) == []
+
+
+def test_no_file_under_src_imports_what_shardwise_replaces() -> None:
+    files = sorted(SRC.rglob("*.py"))
+    assert len(files) > 5
+    offenders = {str(p.relative_to(SRC)): found for p in files if (found := forbidden_imports(p.read_text()))}
+    assert offenders == {}
