@@ -84,7 +84,7 @@ class AbstractMesh:
         return (self.shape, self.mesh_dim_names)
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other._key() == self._key()  # type: ignore[attr-defined]
+        return isinstance(other, AbstractMesh) and type(other) is type(self) and other._key() == self._key()
 
     def __hash__(self) -> int:
         return self._hash
@@ -303,7 +303,8 @@ def _init_default_group(device_type: str, world_size: int) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=collective_timeout())
     elif world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=collective_timeout())
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=collective_timeout())
     else:
         raise RuntimeError(
             f"a mesh of {world_size} ranks needs {world_size} processes: launch with "

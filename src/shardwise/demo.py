@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise import Replicate, Shard
+from shardwise import DTensor, Replicate, Shard
 
 __all__ = ["run_demo", "main"]
 
@@ -36,14 +36,14 @@ def run_demo() -> list[str]:
     _say(lines, f"w {tuple(w.shape)} as {w._spec.layout_str()}: rank {rank} holds {tuple(w.to_local().shape)}")
 
     with sw.comm_log() as log:
-        h = (x @ w).relu() * 2  # (8/dp, 10/tp) on every rank, no communication
+        h: DTensor = (x @ w).relu() * 2  # type: ignore[assignment]  # (8/dp, 10/tp) per rank, no comm
     _say(lines, f"h = relu(x @ w) * 2 -> {h._spec.layout_str()}, collectives: {[r.op for r in log] or 'none'}")
     assert torch.allclose(h.full_tensor(), (x_full @ w_full).relu() * 2, atol=1e-5)
 
     # Row-parallel: contract over the sharded hidden dim -> partial sums, reduced once.
     v_full = torch.randn(10, 4, generator=g)
     v = sw.distribute_tensor(v_full, mesh, [Replicate(), Shard(0)])
-    y = h @ v
+    y: DTensor = h @ v  # type: ignore[assignment]
     _say(lines, f"y = h @ v with v as {v._spec.layout_str()} -> {y._spec.layout_str()} (partial sums over tp)")
     for target in ([Shard(0), Shard(0)], [Shard(0), Replicate()]):
         plan = sw.plan_for(mesh, y.shape, y.placements, target)
@@ -62,15 +62,16 @@ def run_demo() -> list[str]:
 
     # Gradients through from_local -> ops -> full_tensor equal the single-device ones.
     xr, wr = x_full.clone().requires_grad_(True), w_full.clone().requires_grad_(True)
-    ((xr @ wr).tanh().sum(1) ** 2).sum().backward()
+    ((xr @ wr).tanh().sum(1) ** 2).sum().backward()  # type: ignore[no-untyped-call]
     wl = w.to_local().detach().clone().requires_grad_(True)
     wd = sw.DTensor.from_local(wl, mesh, w.placements, shape=w.shape, stride=w.stride())
-    loss = ((x @ wd).tanh().sum(1) ** 2).full_tensor().sum()
-    loss.backward()
+    out: DTensor = (x @ wd).tanh().sum(1) ** 2  # type: ignore[assignment]
+    loss = out.full_tensor().sum()
+    loss.backward()  # type: ignore[no-untyped-call]
     coord = mesh.get_coordinate()
     assert coord is not None
     want = torch.chunk(wr.grad, 2, dim=1)[coord[1]]  # type: ignore[arg-type]
-    assert torch.allclose(wl.grad, want, atol=1e-4)  # type: ignore[arg-type]
+    assert wl.grad is not None and torch.allclose(wl.grad, want, atol=1e-4)
     _say(lines, f"grad of w matches single device on every rank (max err {float((wl.grad - want).abs().max()):.1e})")
 
     torch.manual_seed(42)

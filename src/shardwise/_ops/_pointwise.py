@@ -174,7 +174,7 @@ def _pointwise_ops() -> list[torch._ops.OpOverload]:
         packet = getattr(aten, name, None)
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             continue
-        for overload in packet.overloads():
+        for overload in packet.overloads():  # type: ignore[no-untyped-call]
             op = getattr(packet, overload)
             tags = op.tags
             if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags:

@@ -117,7 +117,7 @@ def from_local(
                     synced = comm.broadcast(local_tensor.detach().clone(), mesh.get_group(i), mesh.shape[i], mesh.ranks_along(i)[0])
                 local_tensor = local_tensor + (synced - local_tensor).detach() if local_tensor.requires_grad else synced
     spec = DTensorSpec(mesh, pl, TensorMeta(torch.Size(gshape), gstride, local_tensor.dtype), order)
-    return _FromLocal.apply(local_tensor, spec)  # type: ignore[no-any-return]
+    return _FromLocal.apply(local_tensor, spec)  # type: ignore[no-untyped-call,no-any-return]
 
 
 def distribute_tensor(

@@ -35,7 +35,7 @@ class DTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
         meta = spec.tensor_meta
-        r = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        r = torch.Tensor._make_wrapper_subclass(
             cls,
             meta.shape,
             strides=meta.stride,
@@ -46,12 +46,14 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
-        return r  # type: ignore[no-any-return]
+        return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
         return _dispatch(func, args, kwargs or {})
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -108,7 +110,7 @@ class DTensor(torch.Tensor):
             grad_spec = self._spec.with_placements(
                 normalize_placements(grad_placements, self._spec.mesh.ndim, self.ndim, what="grad_placements")
             )
-        return _ToLocal.apply(self, grad_spec)  # type: ignore[no-any-return]
+        return _ToLocal.apply(self, grad_spec)  # type: ignore[no-untyped-call,no-any-return]
 
     def redistribute(
         self,
@@ -143,7 +145,7 @@ class DTensor(torch.Tensor):
         target_spec = spec.with_placements(target, order)
         if target_spec == spec:
             return self
-        return _Redistribute.apply(self, target_spec)  # type: ignore[no-any-return]
+        return _Redistribute.apply(self, target_spec)  # type: ignore[no-untyped-call,no-any-return]
 
     def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """The whole global tensor on every rank (differentiable)."""
@@ -172,13 +174,13 @@ def _grad_to(grad: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: DTensor, target: DTensorSpec) -> DTensor:  # type: ignore[override]
+    def forward(ctx: Any, x: DTensor, target: DTensorSpec) -> DTensor:
         ctx.src_spec = x._spec
         local = redistribute_local(x._local_tensor, x._spec, target)
         return DTensor(local, target, requires_grad=x.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[Optional[DTensor], None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: DTensor) -> tuple[Optional[DTensor], None]:
         spec = _grad_target(ctx.src_spec)
         local = _grad_to(grad, ctx.src_spec)
         return DTensor(local, spec, requires_grad=False), None
@@ -186,24 +188,24 @@ class _Redistribute(torch.autograd.Function):
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:
         ctx.grad_spec = grad_spec
         local = x._local_tensor
         return local.view_as(local)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
         return DTensor(grad, ctx.grad_spec, requires_grad=False), None
 
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> DTensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
         ctx.spec = spec
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None]:
         return _grad_to(grad, ctx.spec), None
 
 
