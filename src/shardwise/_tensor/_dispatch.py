@@ -20,24 +20,32 @@ __all__ = ["dispatch"]
 
 
 class _Plan:
-    __slots__ = ("targets", "outputs", "shape_arg", "local_shape", "inplace")
+    """What to do for one cache key: per DTensor argument position, the spec to move it to
+    (None: use its local tensor as is), the output specs, and a local shape argument."""
+
+    __slots__ = ("moves", "outputs", "single", "shape_arg", "local_shape", "inplace")
 
     def __init__(
         self,
-        targets: tuple[Optional[DTensorSpec], ...],
+        moves: tuple[tuple[int, Optional[DTensorSpec]], ...],
         outputs: Union[DTensorSpec, tuple[Optional[DTensorSpec], ...], None],
         shape_arg: Optional[int],
         local_shape: Optional[list[int]],
         inplace: bool,
     ) -> None:
-        self.targets = targets
+        self.moves = moves
         self.outputs = outputs
+        self.single = outputs if isinstance(outputs, DTensorSpec) else None
         self.shape_arg = shape_arg
         self.local_shape = local_shape
         self.inplace = inplace
 
 
-_PLANS: dict[OpSchema, _Plan] = {}
+# Keyed by (op, one entry per argument, kwargs): a DTensor argument contributes its spec
+# (hashed once, at creation), anything else (type, value) -- 2, 2.0 and True give
+# different dtypes, so the type is part of the key.
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_SCALARS = (int, float, bool, complex, type(None), str, torch.dtype)
 
 
 def _schema_arg(a: Any, func: Any) -> Any:
@@ -59,7 +67,12 @@ def _schema_arg(a: Any, func: Any) -> Any:
     return a
 
 
-def _make_plan(schema: OpSchema) -> _Plan:
+def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan:
+    schema = OpSchema(
+        func,
+        tuple(_schema_arg(a, func) for a in args),
+        tuple((k, _schema_arg(v, func)) for k, v in kwargs.items()) if kwargs else (),
+    )
     result = propagate(schema)
     local_shape = None
     if result.shape_arg is not None:
@@ -69,39 +82,47 @@ def _make_plan(schema: OpSchema) -> _Plan:
         assert isinstance(mesh, DeviceMesh)
         coordinate = mesh._coordinate or (0,) * mesh.ndim
         local_shape = list(spec.local_shape_and_offset(coordinate)[0])
-    args = schema.op._schema.arguments
-    inplace = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    arguments = func._schema.arguments
+    inplace = bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
     if inplace and result.input_specs and result.input_specs[0] is not None:
         raise ValueError(
-            f"in-place {schema.op} would have to change the layout of its first argument "
+            f"in-place {func} would have to change the layout of its first argument "
             f"({schema}); redistribute that tensor first or use the out-of-place op"
         )
-    return _Plan(result.input_specs, result.output_specs, result.shape_arg, local_shape, inplace)
+    positions = [k for k, a in enumerate(args) if isinstance(a, DTensor)]
+    moves = tuple(zip(positions, result.input_specs))
+    return _Plan(moves, result.output_specs, result.shape_arg, local_shape, inplace)
+
+
+def _key_part(a: Any, func: Any) -> Any:
+    if isinstance(a, DTensor):
+        return a._spec
+    if isinstance(a, _SCALARS):
+        return (a.__class__, a)
+    if isinstance(a, list):
+        return (list, tuple(_key_part(x, func) for x in a))
+    return (a.__class__, _schema_arg(a, func))
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    schema = OpSchema(
-        func,
-        tuple(_schema_arg(a, func) for a in args),
-        tuple((k, _schema_arg(v, func)) for k, v in kwargs.items()) if kwargs else (),
-    )
-    plan = _PLANS.get(schema)
+    key = (func, *[_key_part(a, func) for a in args])
+    if kwargs:
+        key += (tuple((k, _key_part(v, func)) for k, v in kwargs.items()),)
+    plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(schema)
-        _PLANS[schema] = plan
+        plan = _make_plan(func, args, kwargs)
+        _PLANS[key] = plan
     local_args = list(args)
-    j = 0
-    targets = plan.targets
-    for k, a in enumerate(args):
-        if isinstance(a, DTensor):
-            target = targets[j]
-            j += 1
-            local_args[k] = a._local_tensor if target is None else redistribute_local(a._local_tensor, a._spec, target)
+    for k, target in plan.moves:
+        a = args[k]
+        local_args[k] = a._local_tensor if target is None else redistribute_local(a._local_tensor, a._spec, target)
     if plan.shape_arg is not None:
         local_args[plan.shape_arg] = plan.local_shape
     out = func(*local_args, **kwargs)
     if plan.inplace:
         return args[0]
+    if plan.single is not None:
+        return DTensor(out, plan.single, requires_grad=False)
     return _wrap(out, plan.outputs)
 
 
