@@ -12,6 +12,8 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise import DTensor, Partial, Placement, Replicate, Shard
 
+from .oracle import local_piece
+
 Layout = tuple[tuple[Placement, ...], Optional[dict[int, tuple[int, ...]]]]
 
 
@@ -26,23 +28,8 @@ def layouts(mesh_ndim: int, tensor_ndim: int, partials: Sequence[str] = ("sum",)
                 yield combo, {d: tuple(reversed(ms))}
 
 
-def expected_piece(full: torch.Tensor, mesh_shape: Sequence[int], placements: Sequence[Placement],
-                   coordinate: Sequence[int], order: Optional[dict[int, tuple[int, ...]]] = None) -> torch.Tensor:
-    """The piece a rank should hold, by literally applying torch.chunk in split order."""
-    splitters: dict[int, list[int]] = {}
-    for m, p in enumerate(placements):
-        if isinstance(p, Shard):
-            splitters.setdefault(p.dim, []).append(m)
-    for d, ms in (order or {}).items():
-        splitters[d] = list(ms)
-    piece = full
-    for d, ms in splitters.items():
-        for m in ms:
-            chunks = list(torch.chunk(piece, mesh_shape[m], dim=d))
-            while len(chunks) < mesh_shape[m]:
-                chunks.append(piece.narrow(d, 0, 0))
-            piece = chunks[coordinate[m]]
-    return piece
+# The piece a rank should hold: the naive oracle that literally applies torch.chunk.
+expected_piece = local_piece
 
 
 def make_dtensor(full: torch.Tensor, mesh: sw.DeviceMesh, placements: Sequence[Placement],
