@@ -92,11 +92,14 @@ def test_in_place_ops_keep_their_layout_and_values(mesh_shape: tuple[int, ...]) 
 
 
 @distributed(world_size=4)
-def test_in_place_op_that_would_reduce_a_partial_self_is_refused() -> None:
+def test_in_place_op_on_a_partial_self_is_written_back_into_its_layout() -> None:
     mesh = sw.init_device_mesh("cpu", (4,))
-    p = make_dtensor(seeded(4, 4), mesh, [Partial()])
-    with pytest.raises(ValueError, match=r"in-place .*P\(sum\).*mesh dim 0"):
-        p.add_(1)
+    a = seeded(4, 4)
+    p = make_dtensor(a, mesh, [Partial()])
+    local = p._local_tensor
+    out = p.add_(1)  # not linear in a partial sum: reduce, add, write back as P(sum)
+    assert out is p and p.placements == (Partial(),) and p._local_tensor is local
+    torch.testing.assert_close(p.full_tensor(), a + 1)
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
@@ -178,11 +181,26 @@ def test_views_and_transposes() -> None:
 
 
 @distributed(world_size=4)
-def test_op_without_rule_names_the_op_and_layouts() -> None:
+def test_op_without_strategy_falls_back_to_replicated_with_one_warning_or_errors_in_strict_mode() -> None:
+    import warnings
+
     mesh = sw.init_device_mesh("cpu", (4,))
-    x = sw.distribute_tensor(seeded(8, 8), mesh, [Shard(0)])
-    with pytest.raises(NotImplementedError, match=r"aten\.cumsum.*S\(0\)"):
+    full = seeded(8, 8)
+    x = sw.distribute_tensor(full, mesh, [Shard(0)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = torch.cumsum(x, 0)
         torch.cumsum(x, 0)
+    assert [str(w.message) for w in caught if "cumsum" in str(w.message)][:1] and len(
+        [w for w in caught if "cumsum" in str(w.message)]) == 1
+    assert y.placements == (Replicate(),)
+    torch.testing.assert_close(y.full_tensor(), torch.cumsum(full, 0))
+    sw.set_strict(True)
+    try:
+        with pytest.raises(NotImplementedError, match=r"no sharding strategy for aten\.cummax.*S\(0\)"):
+            torch.cummax(x, 0)
+    finally:
+        sw.set_strict(False)
 
 
 @distributed(world_size=4)

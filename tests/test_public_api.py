@@ -37,12 +37,14 @@ PUBLIC = [
     "from_local",
     "full",
     "get_current_mesh",
+    "implicit_replication",
     "init_device_mesh",
     "manual_seed",
     "ones",
     "plan_for",
     "rand",
     "randn",
+    "set_strict",
     "zeros",
 ]
 

@@ -13,7 +13,20 @@ from ._mesh import AbstractMesh, DeviceMesh, current_mesh, get_current_mesh, ini
 from ._placement import Partial, Placement, Replicate, Shard
 from ._redistribute import COST_MODEL, RedistributePlan
 from ._spec import DTensorSpec, TensorMeta
-from ._tensor import DTensor, distribute_tensor, empty, from_local, full, manual_seed, ones, rand, randn, zeros
+from ._ops import set_strict
+from ._tensor import (
+    DTensor,
+    distribute_tensor,
+    empty,
+    from_local,
+    full,
+    implicit_replication,
+    manual_seed,
+    ones,
+    rand,
+    randn,
+    zeros,
+)
 
 __version__ = "0.1.0"
 
@@ -38,11 +51,13 @@ __all__ = [
     "from_local",
     "full",
     "get_current_mesh",
+    "implicit_replication",
     "init_device_mesh",
     "manual_seed",
     "ones",
     "plan_for",
     "rand",
     "randn",
+    "set_strict",
     "zeros",
 ]

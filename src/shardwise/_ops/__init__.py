@@ -1,18 +1,36 @@
-"""Op sharding rules: schema types, the registry, the propagator and one module per op family."""
+"""Op sharding strategies: schema types, the registry, the propagator and one module per op family."""
 
-from . import _basic, _pointwise  # noqa: F401  (register their rules)
-from ._propagate import PropagationResult, ScalarTensor, propagate
-from ._registry import get_rule, register_rule, registered_ops
-from ._schema import Layout, OpSchema, OutputSharding
+from . import _basic, _pointwise  # noqa: F401  (register their strategies)
+from ._propagate import is_strict, propagate, redistribute_cost, set_strict, strategy_calls
+from ._registry import get_op_strategy, register_op_strategy, registered_ops
+from ._schema import (
+    Layout,
+    OpSchema,
+    OpStrategy,
+    OutputSharding,
+    PlacementStrategy,
+    ScalarTensor,
+    StrategyType,
+    TupleStrategy,
+)
+from ._utils import expand_to_mesh
 
 __all__ = [
     "Layout",
     "OpSchema",
+    "OpStrategy",
     "OutputSharding",
-    "PropagationResult",
+    "PlacementStrategy",
     "ScalarTensor",
-    "get_rule",
+    "StrategyType",
+    "TupleStrategy",
+    "expand_to_mesh",
+    "get_op_strategy",
+    "is_strict",
     "propagate",
-    "register_rule",
+    "redistribute_cost",
+    "register_op_strategy",
     "registered_ops",
+    "set_strict",
+    "strategy_calls",
 ]

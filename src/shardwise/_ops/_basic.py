@@ -13,8 +13,9 @@ import torch
 
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
-from ._registry import register_rule
-from ._schema import Layout, OpSchema, OutputSharding
+from ._registry import register_op_strategy
+from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
+from ._utils import expand_to_mesh
 
 __all__: list[str] = []
 
@@ -32,8 +33,8 @@ def _replicate_partials(spec: DTensorSpec) -> tuple[Placement, ...]:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
 
 
-@register_rule([aten.sum.default, aten.sum.dim_IntList])
-def _sum_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
+@register_op_strategy([aten.sum.default, aten.sum.dim_IntList])
+def _sum_strategy(schema: OpSchema) -> OpStrategy:
     spec = schema.args_schema[0]
     assert isinstance(spec, DTensorSpec)
     dims_arg = schema.args_schema[1] if len(schema.args_schema) > 1 else None
@@ -54,43 +55,30 @@ def _sum_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
         else:
             need.append(Replicate())
             out.append(Replicate())
-    return OutputSharding((_need(spec, tuple(need)),), Layout(tuple(out)))
+    return OpStrategy([PlacementStrategy(Layout(tuple(out)), (_need(spec, tuple(need)),))])
 
 
-@register_rule(aten.mm.default)
-def _mm_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
-    a, b = schema.args_schema[:2]
-    assert isinstance(a, DTensorSpec) and isinstance(b, DTensorSpec)
-    need_a: list[Placement] = []
-    need_b: list[Placement] = []
-    out: list[Placement] = []
-    for pa, pb in zip(a.placements, b.placements):
-        if pa == Shard(0):  # (m/n, k) @ (k, p) -> (m/n, p)
-            choice: tuple[Placement, Placement, Placement] = (pa, Replicate(), Shard(0))
-        elif pb == Shard(1):  # (m, k) @ (k, p/n) -> (m, p/n)
-            choice = (Replicate(), pb, Shard(1))
-        elif pa == Shard(1) and pb == Shard(0):  # (m, k/n) @ (k/n, p) -> partial sums
-            choice = (pa, pb, Partial("sum"))
-        elif isinstance(pa, Partial) and pa.reduce_op in ("sum", "avg") and not isinstance(pb, Partial):
-            choice = (pa, Replicate(), pa)
-        elif isinstance(pb, Partial) and pb.reduce_op in ("sum", "avg") and not isinstance(pa, Partial):
-            choice = (Replicate(), pb, pb)
-        else:
-            choice = (Replicate(), Replicate(), Replicate())
-        need_a.append(choice[0])
-        need_b.append(choice[1])
-        out.append(choice[2])
-    return OutputSharding((_need(a, tuple(need_a)), _need(b, tuple(need_b))), Layout(tuple(out)))
+@register_op_strategy(aten.mm.default)
+def _mm_strategy(schema: OpSchema) -> OpStrategy:
+    mesh_ndim = schema.args_schema[0].mesh.ndim
+    options = [
+        (Shard(0), Shard(0), Replicate()),  # (m/n, k) @ (k, p) -> (m/n, p)
+        (Shard(1), Replicate(), Shard(1)),  # (m, k) @ (k, p/n) -> (m, p/n)
+        (Partial(), Shard(1), Shard(0)),  # (m, k/n) @ (k/n, p) -> partial sums
+        (Partial(), Partial(), Replicate()),  # linear in the left input
+        (Partial(), Replicate(), Partial()),  # linear in the right input
+    ]
+    return expand_to_mesh(mesh_ndim, options)
 
 
-def _permuted(spec: DTensorSpec, perm: list[int]) -> OutputSharding:
+def _permuted(spec: DTensorSpec, perm: list[int]) -> OpStrategy:
     out = tuple(Shard(perm.index(p.dim)) if isinstance(p, Shard) else p for p in spec.placements)
     order = tuple(sorted((perm.index(d), ms) for d, ms in spec.shard_order))
-    return OutputSharding((None,), Layout(out, order))
+    return OpStrategy([PlacementStrategy(Layout(out, order), (None,))])
 
 
-@register_rule([aten.t.default, aten.transpose.int])
-def _transpose_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
+@register_op_strategy([aten.t.default, aten.transpose.int])
+def _transpose_strategy(schema: OpSchema) -> OpStrategy:
     spec = schema.args_schema[0]
     assert isinstance(spec, DTensorSpec)
     n = spec.ndim
@@ -102,15 +90,16 @@ def _transpose_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
     return _permuted(spec, perm)
 
 
-@register_rule(aten.permute.default)
-def _permute_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
+@register_op_strategy(aten.permute.default)
+def _permute_strategy(schema: OpSchema) -> OpStrategy:
     spec = schema.args_schema[0]
     assert isinstance(spec, DTensorSpec)
     return _permuted(spec, [d % max(spec.ndim, 1) for d in schema.args_schema[1]])
 
 
-@register_rule(aten.expand.default)
-def _expand_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
+@register_op_strategy(aten.expand.default)
+def _expand_strategy(schema: OpSchema) -> OpStrategy:
+    out_meta = schema.output_meta()
     spec = schema.args_schema[0]
     assert isinstance(spec, DTensorSpec) and isinstance(out_meta, TensorMeta)
     off = len(out_meta.shape) - spec.ndim
@@ -126,7 +115,7 @@ def _expand_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
         else:
             need.append(p)
             out.append(p)
-    return OutputSharding((_need(spec, tuple(need)),), Layout(tuple(out)), shape_arg=1)
+    return OpStrategy([PlacementStrategy(Layout(tuple(out)), (_need(spec, tuple(need)),), shape_arg=1)])
 
 
 def _kept_dim(in_shape: torch.Size, out_shape: torch.Size, d: int) -> Optional[int]:
@@ -138,8 +127,9 @@ def _kept_dim(in_shape: torch.Size, out_shape: torch.Size, d: int) -> Optional[i
     return None
 
 
-@register_rule([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
-def _view_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
+@register_op_strategy([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
+def _view_strategy(schema: OpSchema) -> OpStrategy:
+    out_meta = schema.output_meta()
     spec = schema.args_schema[0]
     assert isinstance(spec, DTensorSpec) and isinstance(out_meta, TensorMeta)
     need: list[Placement] = []
@@ -153,29 +143,29 @@ def _view_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
             need.append(p)
             out.append(Shard(od) if od is not None else p)
     if spec.shard_order and tuple(need) == spec.placements:
-        return OutputSharding((Layout(tuple(need)),), Layout(tuple(out)), shape_arg=1)
-    return OutputSharding((_need(spec, tuple(need)),), Layout(tuple(out)), shape_arg=1)
+        return OpStrategy([PlacementStrategy(Layout(tuple(out)), (Layout(tuple(need)),), shape_arg=1)])
+    return OpStrategy([PlacementStrategy(Layout(tuple(out)), (_need(spec, tuple(need)),), shape_arg=1)])
 
 
-@register_rule([aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default])
-def _like_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
+@register_op_strategy([aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default])
+def _like_strategy(schema: OpSchema) -> OpStrategy:
     spec = schema.args_schema[0]
     assert isinstance(spec, DTensorSpec)
-    return OutputSharding((None,), Layout(_replicate_partials(spec), spec.shard_order))
+    return OpStrategy([PlacementStrategy(Layout(_replicate_partials(spec), spec.shard_order), (None,))])
 
 
-@register_rule(aten.unsqueeze.default)
-def _unsqueeze_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
+@register_op_strategy(aten.unsqueeze.default)
+def _unsqueeze_strategy(schema: OpSchema) -> OpStrategy:
     spec, dim = schema.args_schema[0], schema.args_schema[1]
     assert isinstance(spec, DTensorSpec)
     dim = dim % (spec.ndim + 1)
     out = tuple(Shard(p.dim + (p.dim >= dim)) if isinstance(p, Shard) else p for p in spec.placements)
     order = tuple((d + (d >= dim), ms) for d, ms in spec.shard_order)
-    return OutputSharding((None,), Layout(out, order))
+    return OpStrategy([PlacementStrategy(Layout(out, order), (None,))])
 
 
-@register_rule([aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default])
-def _squeeze_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
+@register_op_strategy([aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default])
+def _squeeze_strategy(schema: OpSchema) -> OpStrategy:
     spec = schema.args_schema[0]
     assert isinstance(spec, DTensorSpec)
     arg = schema.args_schema[1] if len(schema.args_schema) > 1 else None
@@ -183,4 +173,4 @@ def _squeeze_rule(schema: OpSchema, out_meta: Any) -> OutputSharding:
     gone = {d % max(spec.ndim, 1) for d in wanted if spec.ndim and spec.shape[d % spec.ndim] == 1}
     need = tuple(Replicate() if isinstance(p, Shard) and p.dim in gone else p for p in spec.placements)
     out = tuple(Shard(p.dim - sum(g < p.dim for g in gone)) if isinstance(p, Shard) else p for p in need)
-    return OutputSharding((_need(spec, need),), Layout(out))
+    return OpStrategy([PlacementStrategy(Layout(out), (_need(spec, need),))])

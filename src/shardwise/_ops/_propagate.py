@@ -1,98 +1,186 @@
-"""The propagator: from an op call's input specs to the layouts its inputs need and its
-outputs get. Pure (meta tensors give global output shapes); results cached per schema."""
+"""The propagator: from an op call's input specs to the specs its inputs need and its
+outputs get. It enumerates the op's strategies, prices each by the redistribute planner's
+cost of moving every input to the layout the strategy wants, and keeps the cheapest (ties:
+the one that holds fewer bytes per rank). Results are cached per `OpSchema`.
+
+An op without a strategy falls back to running replicated: its inputs are gathered, the
+op runs on every rank, the outputs are `Replicate`; a warning names the op once per
+process, and strict mode (`set_strict(True)` or env `SHARDWISE_STRICT=1`) makes it an error.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+import math
+import os
+import warnings
+from typing import Any, Optional
 
-import torch
-
-from .._layout import format_placements
+from .._placement import Partial, Replicate
+from .._redistribute import plan_redistribute
 from .._spec import DTensorSpec, TensorMeta
-from ._registry import get_rule
-from ._schema import Layout, OpSchema, OutputSharding
+from ._registry import get_op_strategy
+from ._schema import Layout, OpSchema, OpStrategy, OutputSharding, PlacementStrategy, StrategyType, TupleStrategy
 
-__all__ = ["PropagationResult", "propagate", "ScalarTensor"]
+__all__ = ["propagate", "set_strict", "is_strict", "redistribute_cost", "strategy_calls"]
 
-
-@dataclass(frozen=True)
-class ScalarTensor:
-    """A plain 0-dim tensor argument: treated as a replicated scalar."""
-
-    dtype: torch.dtype
-    device: str
+_CACHE: dict[OpSchema, OutputSharding] = {}
+_WARNED: set[Any] = set()
+_STRICT = [os.environ.get("SHARDWISE_STRICT", "") not in ("", "0")]
+_CALLS = [0]
 
 
-@dataclass(frozen=True)
-class PropagationResult:
-    input_specs: tuple[Optional[DTensorSpec], ...]  # per DTensor argument: target spec, None to keep
-    output_specs: Union[DTensorSpec, tuple[Optional[DTensorSpec], ...], None]
-    shape_arg: Optional[int]
+def set_strict(strict: bool = True) -> None:
+    """Make an op without a sharding strategy an error instead of a replicated fallback."""
+    _STRICT[0] = bool(strict)
 
 
-def _to_meta(a: Any) -> Any:
-    if isinstance(a, DTensorSpec):
-        return torch.empty_strided(a.shape, a.tensor_meta.stride, dtype=a.dtype, device="meta")
-    if isinstance(a, ScalarTensor):
-        return torch.empty((), dtype=a.dtype, device="meta")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_to_meta(x) for x in a)
-    return a
+def is_strict() -> bool:
+    return _STRICT[0]
 
 
-def _meta_of(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return TensorMeta(out.shape, tuple(out.stride()), out.dtype)
-    if isinstance(out, (list, tuple)):
-        return tuple(_meta_of(o) for o in out)
-    return None
+def strategy_calls() -> int:
+    """How many times a strategy function has run in this process (cache misses)."""
+    return _CALLS[0]
 
 
-_CACHE: dict[OpSchema, PropagationResult] = {}
+def redistribute_cost(spec: DTensorSpec, target: Optional[Layout]) -> float:
+    """Planner cost (bytes received per rank) of moving `spec` to `target`; inf where the
+    move would invent a Partial (a strategy may keep a Partial input, not ask for one)."""
+    if target is None or (target.placements == spec.placements and target.shard_order == spec.shard_order):
+        return 0.0
+    for have, want in zip(spec.placements, target.placements):
+        if isinstance(want, Partial) and want != have:
+            return math.inf
+    plan = plan_redistribute(
+        tuple(spec.mesh.shape), tuple(spec.shape), spec.dtype.itemsize,
+        spec.placements, target.placements, spec.shard_order, target.shard_order,
+    )
+    return plan.cost
 
 
-def propagate(schema: OpSchema) -> PropagationResult:
-    hit = _CACHE.get(schema)
-    if hit is not None:
-        return hit
-    rule = get_rule(schema.op)
-    if rule is None:
-        raise NotImplementedError(
-            f"shardwise has no sharding rule for {schema.op} yet; it was called as {schema}. "
-            f"Run it on local tensors (dtensor.to_local()) or full tensors (dtensor.full_tensor()) meanwhile"
-        )
-    meta_out = schema.op(*_to_meta(schema.args_schema), **{k: _to_meta(v) for k, v in schema.kwargs_schema})
-    out_meta = _meta_of(meta_out)
-    sharding = rule(schema, out_meta)
-    result = _assemble(schema, sharding, out_meta)
-    _CACHE[schema] = result
-    return result
+def _as_tuple(meta: Any) -> tuple[Any, ...]:
+    """Output metas as a tuple (TensorMeta is itself a NamedTuple: one output, not many)."""
+    return meta if isinstance(meta, tuple) and not isinstance(meta, TensorMeta) else (meta,)
 
 
-def _assemble(schema: OpSchema, sharding: OutputSharding, out_meta: Any) -> PropagationResult:
-    specs = schema.tensor_specs()
+def _local_bytes(meta: TensorMeta, mesh_shape: tuple[int, ...], layout: Layout) -> int:
+    from .._layout import max_local_shape
+
+    shape = max_local_shape(meta.shape, mesh_shape, layout.placements, layout.shard_order)
+    return math.prod(shape) * meta.dtype.itemsize
+
+
+def _memory(strategy: PlacementStrategy, specs: list[DTensorSpec], out_meta: Any) -> int:
+    mesh_shape = tuple(specs[0].mesh.shape) if specs else ()
+    total = 0
+    for spec, lay in zip(specs, strategy.input_specs):
+        total += _local_bytes(spec.tensor_meta, mesh_shape, lay or Layout(spec.placements, spec.shard_order))
+    outs = strategy.output_specs
+    metas = _as_tuple(out_meta)
+    layouts = outs if isinstance(outs, tuple) else (outs,)
+    for meta, lay in zip(metas, layouts):
+        if isinstance(meta, TensorMeta) and isinstance(lay, Layout):
+            total += _local_bytes(meta, mesh_shape, lay)
+    return total
+
+
+def _pick(schema: OpSchema, strategy: OpStrategy, specs: list[DTensorSpec]) -> PlacementStrategy:
+    best: Optional[tuple[float, int, PlacementStrategy]] = None
+    for candidate in strategy.strategies:
+        if len(candidate.input_specs) != len(specs):
+            raise ValueError(
+                f"strategy for {schema.op} gives {len(candidate.input_specs)} input layouts for "
+                f"{len(specs)} DTensor inputs: {candidate}"
+            )
+        cost = sum(redistribute_cost(s, lay) for s, lay in zip(specs, candidate.input_specs))
+        if math.isinf(cost):
+            continue
+        key = (round(cost, 6), _memory(candidate, specs, schema.output_meta()), candidate)
+        if best is None or key[:2] < best[:2]:
+            best = key
+    if best is None:
+        raise ValueError(f"no strategy of {schema.op} accepts the inputs {schema}: {strategy}")
+    return best[2]
+
+
+def _target(spec: DTensorSpec, lay: Optional[Layout]) -> Optional[DTensorSpec]:
+    if lay is None or (lay.placements == spec.placements and lay.shard_order == spec.shard_order):
+        return None
+    return spec.with_placements(lay.placements, lay.shard_order)
+
+
+def _output(mesh: Any, lay: Any, meta: Any) -> Optional[DTensorSpec]:
+    if not isinstance(lay, Layout) or not isinstance(meta, TensorMeta):
+        return None
+    return DTensorSpec(mesh, lay.placements, meta, lay.shard_order)
+
+
+def _choose(schema: OpSchema, strategy: StrategyType) -> OutputSharding:
+    specs = schema.input_specs()
     mesh = specs[0].mesh
     for s in specs[1:]:
         if s.mesh != mesh:
-            raise ValueError(f"{schema.op} got DTensors on different meshes: {mesh!r} and {s.mesh!r}; redistribute one onto the other's mesh")
-    targets = tuple(
-        None if lay is None else spec.with_placements(lay.placements, lay.shard_order)
-        for spec, lay in zip(specs, sharding.input_layouts)
-    )
-
-    def out_spec(lay: Optional[Layout], meta: Any) -> Optional[DTensorSpec]:
-        if lay is None or meta is None:
-            return None
-        return DTensorSpec(mesh, lay.placements, meta, lay.shard_order)
-
-    outs: Union[DTensorSpec, tuple[Optional[DTensorSpec], ...], None]
-    if isinstance(sharding.output_layouts, tuple):
-        outs = tuple(out_spec(lay, m) for lay, m in zip(sharding.output_layouts, out_meta))
+            raise ValueError(
+                f"{schema.op} got DTensors on different meshes, {mesh!r} and {s.mesh!r}: "
+                f"move one onto the other's mesh first"
+            )
+    out_meta = schema.output_meta()
+    if isinstance(strategy, TupleStrategy):
+        chosen = [_pick(schema, child, specs) for child in strategy.childs]
+        targets: list[Optional[Layout]] = [None] * len(specs)
+        for c in chosen:
+            for k, lay in enumerate(c.input_specs):
+                if lay is not None:
+                    targets[k] = lay
+        metas = _as_tuple(out_meta)
+        outs = tuple(_output(mesh, c.output_specs, m) for c, m in zip(chosen, metas))
+        return OutputSharding(tuple(_target(s, t) for s, t in zip(specs, targets)), outs)
+    if not isinstance(strategy, OpStrategy):
+        raise TypeError(f"strategy function for {schema.op} returned {type(strategy).__name__}, not an OpStrategy")
+    best = _pick(schema, strategy, specs)
+    inputs = tuple(_target(s, lay) for s, lay in zip(specs, best.input_specs))
+    if isinstance(best.output_specs, tuple):
+        metas = _as_tuple(out_meta)
+        out: Any = tuple(_output(mesh, lay, m) for lay, m in zip(best.output_specs, metas))
     else:
-        outs = out_spec(sharding.output_layouts, out_meta)
-    return PropagationResult(targets, outs, sharding.shape_arg)
+        out = _output(mesh, best.output_specs, out_meta)
+    return OutputSharding(inputs, out, best.shape_arg)
 
 
-def describe(specs: list[DTensorSpec]) -> str:
-    return ", ".join(format_placements(s.placements) for s in specs)
+def _fallback(schema: OpSchema) -> OutputSharding:
+    specs = schema.input_specs()
+    if _STRICT[0]:
+        raise NotImplementedError(
+            f"shardwise has no sharding strategy for {schema.op}, called as {schema}; strict mode is on "
+            f"(set_strict(False) runs it replicated instead)"
+        )
+    if schema.op not in _WARNED:
+        _WARNED.add(schema.op)
+        warnings.warn(
+            f"shardwise has no sharding strategy for {schema.op}: it runs replicated (inputs gathered, "
+            f"outputs Replicate). This warning is shown once per op.",
+            stacklevel=4,
+        )
+    mesh = specs[0].mesh
+    replicate = Layout((Replicate(),) * mesh.ndim)
+    out_meta = schema.output_meta()
+    if not isinstance(out_meta, TensorMeta) and isinstance(out_meta, tuple):
+        out: Any = tuple(_output(mesh, replicate, m) for m in out_meta)
+    else:
+        out = _output(mesh, replicate, out_meta)
+    return OutputSharding(tuple(_target(s, replicate) for s in specs), out, fallback=True)
+
+
+def propagate(schema: OpSchema) -> OutputSharding:
+    """The chosen input and output specs for one op call (cached per schema)."""
+    hit = _CACHE.get(schema)
+    if hit is not None:
+        return hit
+    fn = get_op_strategy(schema.op)
+    if fn is None:
+        result = _fallback(schema)
+    else:
+        _CALLS[0] += 1
+        result = _choose(schema, fn(schema))
+    _CACHE[schema] = result
+    return result

@@ -1,39 +1,45 @@
-"""The one registry of op sharding rules and the decorator that fills it."""
+"""The one registry of op strategies and the decorator that fills it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-from ._schema import OpSchema, OutputSharding
+from ._schema import OpSchema, StrategyType
 
-__all__ = ["Rule", "register_rule", "get_rule", "registered_ops"]
+__all__ = ["StrategyFn", "register_op_strategy", "get_op_strategy", "registered_ops"]
 
 OpOverload = torch._ops.OpOverload
-# A rule maps an op call (global input specs) and the global meta of its outputs (from a
-# meta-device run) to the layouts the inputs must have and the outputs will have.
-Rule = Callable[[OpSchema, Any], OutputSharding]
+# A strategy function maps an op call (global specs of its inputs, on an abstract or real
+# mesh) to its candidate strategies. Pure: it never talks to processes.
+StrategyFn = Callable[[OpSchema], StrategyType]
 
-_RULES: dict[OpOverload, Rule] = {}
+_STRATEGIES: dict[OpOverload, StrategyFn] = {}
 
 
-def register_rule(ops: Union[OpOverload, Iterable[OpOverload]]) -> Callable[[Rule], Rule]:
-    """Register `rule` for one op overload or a list of them."""
+def register_op_strategy(ops: Union[OpOverload, Iterable[OpOverload]]) -> Callable[[StrategyFn], StrategyFn]:
+    """Register a strategy function for one aten op overload or a list of them::
+
+        @register_op_strategy([aten.relu.default, aten.gelu.default])
+        def activation_strategy(schema: OpSchema) -> OpStrategy: ...
+    """
     targets = [ops] if isinstance(ops, OpOverload) else list(ops)
 
-    def wrap(rule: Rule) -> Rule:
+    def wrap(fn: StrategyFn) -> StrategyFn:
         for op in targets:
-            _RULES[op] = rule
-        return rule
+            if not isinstance(op, OpOverload):
+                raise TypeError(f"register_op_strategy takes aten op overloads (aten.add.Tensor), got {op!r}")
+            _STRATEGIES[op] = fn
+        return fn
 
     return wrap
 
 
-def get_rule(op: OpOverload) -> Optional[Rule]:
-    return _RULES.get(op)
+def get_op_strategy(op: OpOverload) -> Optional[StrategyFn]:
+    return _STRATEGIES.get(op)
 
 
 def registered_ops() -> list[OpOverload]:
-    return list(_RULES)
+    return list(_STRATEGIES)

@@ -1,33 +1,66 @@
-"""The data that op sharding rules consume and produce: `OpSchema` and `OutputSharding`."""
+"""What strategy functions consume and produce.
+
+- `OpSchema`: one op call as the propagator sees it: the op, its arguments with every
+  DTensor replaced by its `DTensorSpec` (lists of DTensors by tuples of specs), and its
+  keyword arguments. Hashable, so propagation results are cached per schema.
+- `Layout`: placements plus split order, what a strategy asks of an input or promises of
+  an output (no mesh, no shape: those come from the schema).
+- `PlacementStrategy`: one way to run the op: the layout of each output and of each
+  DTensor input, plus the cost of moving each input there (filled in by the propagator).
+- `OpStrategy`: the candidate `PlacementStrategy`s of an op call.
+- `TupleStrategy`: for ops whose outputs are independent (the `_foreach_*` family): one
+  `OpStrategy` per output, each constraining only its own inputs.
+- `OutputSharding`: the propagator's answer for one schema: the chosen input and output
+  specs, plus what the local op needs rewritten.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 
-from .._layout import ShardOrder
+from .._layout import ShardOrder, format_placements
 from .._placement import Placement
-from .._spec import DTensorSpec
+from .._spec import DTensorSpec, TensorMeta
 
-__all__ = ["OpSchema", "OutputSharding", "Layout"]
+__all__ = [
+    "OpSchema",
+    "Layout",
+    "PlacementStrategy",
+    "OpStrategy",
+    "TupleStrategy",
+    "StrategyType",
+    "OutputSharding",
+    "ScalarTensor",
+]
+
+
+@dataclass(frozen=True)
+class ScalarTensor:
+    """A plain 0-dim tensor argument: a replicated scalar."""
+
+    dtype: torch.dtype
+    device: str
 
 
 class OpSchema:
-    """One op call as a rule sees it: the op, argument specs (DTensorSpec for a distributed
-    tensor argument, the value itself otherwise) and keyword arguments. Hashable, so
-    propagation results are cached per schema."""
+    """One op call with DTensor arguments replaced by their specs."""
 
-    __slots__ = ("op", "args_schema", "kwargs_schema", "_types", "_hash")
+    __slots__ = ("op", "args_schema", "kwargs_schema", "_types", "_hash", "_out_meta")
 
-    def __init__(self, op: torch._ops.OpOverload, args_schema: tuple[Any, ...], kwargs_schema: tuple[tuple[str, Any], ...] = ()) -> None:
+    def __init__(
+        self, op: torch._ops.OpOverload, args_schema: tuple[Any, ...], kwargs_schema: tuple[tuple[str, Any], ...] = ()
+    ) -> None:
         self.op = op
         self.args_schema = args_schema
         self.kwargs_schema = kwargs_schema
         # Types too: 2 == 2.0 == True, but int, float and bool scalars give different dtypes.
         self._types = tuple(map(type, args_schema))
         self._hash = hash((op, args_schema, kwargs_schema, self._types))
+        self._out_meta: Any = _UNSET
 
     def __hash__(self) -> int:
         return self._hash
@@ -46,31 +79,148 @@ class OpSchema:
     def kwargs(self) -> dict[str, Any]:
         return dict(self.kwargs_schema)
 
-    def tensor_specs(self) -> list[DTensorSpec]:
-        return [a for a in self.args_schema if isinstance(a, DTensorSpec)]
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """Argument `index` if given positionally, else keyword `name`, else `default`."""
+        if index < len(self.args_schema):
+            return self.args_schema[index]
+        for k, v in self.kwargs_schema:
+            if k == name:
+                return v
+        return default
+
+    def input_specs(self) -> list[DTensorSpec]:
+        """Every DTensor argument's spec, in argument order (lists flattened, then kwargs)."""
+        return list(_iter_specs(self.args_schema)) + list(_iter_specs(tuple(v for _, v in self.kwargs_schema)))
+
+    @property
+    def mesh(self) -> Any:
+        return self.input_specs()[0].mesh
+
+    def is_inplace(self) -> bool:
+        args = self.op._schema.arguments
+        return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+    def is_out_variant(self) -> bool:
+        return any(a.is_out for a in self.op._schema.arguments)
+
+    def output_meta(self) -> Any:
+        """Global shape/stride/dtype of each output: a meta-device run of the op (cached)."""
+        if self._out_meta is _UNSET:
+            out = self.op(*_to_meta(self.args_schema), **{k: _to_meta(v) for k, v in self.kwargs_schema})
+            self._out_meta = _meta_of(out)
+        return self._out_meta
 
     def __repr__(self) -> str:
-        args = ", ".join(a.layout_str() if isinstance(a, DTensorSpec) else repr(a) for a in self.args_schema)
-        return f"{self.op}({args})"
+        def show(a: Any) -> str:
+            if isinstance(a, DTensorSpec):
+                return f"{a.layout_str()}{list(a.shape)}"
+            if isinstance(a, tuple) and any(isinstance(x, DTensorSpec) for x in a):
+                return "[" + ", ".join(show(x) for x in a) + "]"
+            return repr(a)
+
+        args = [show(a) for a in self.args_schema] + [f"{k}={show(v)}" for k, v in self.kwargs_schema]
+        return f"{self.op}({', '.join(args)})"
+
+
+_UNSET = object()
+
+
+def _iter_specs(values: tuple[Any, ...]) -> Iterator[DTensorSpec]:
+    for a in values:
+        if isinstance(a, DTensorSpec):
+            yield a
+        elif isinstance(a, tuple):
+            yield from (x for x in a if isinstance(x, DTensorSpec))
+
+
+def _to_meta(a: Any) -> Any:
+    if isinstance(a, DTensorSpec):
+        return torch.empty_strided(a.shape, a.tensor_meta.stride, dtype=a.dtype, device="meta")
+    if isinstance(a, ScalarTensor):
+        return torch.empty((), dtype=a.dtype, device="meta")
+    if isinstance(a, tuple):
+        return [_to_meta(x) for x in a] if any(isinstance(x, (DTensorSpec, ScalarTensor)) for x in a) else a
+    return a
+
+
+def _meta_of(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return TensorMeta(out.shape, tuple(out.stride()), out.dtype)
+    if isinstance(out, (list, tuple)):
+        return tuple(_meta_of(o) for o in out)
+    return None
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Placements plus split order: what a rule asks of an input or promises of an output."""
+    """Placements plus split order: what a strategy asks of an input or promises of an output."""
 
     placements: tuple[Placement, ...]
     shard_order: ShardOrder = ()
 
+    def __str__(self) -> str:
+        order = "".join(f" split {d}:{ms}" for d, ms in self.shard_order)
+        return format_placements(self.placements) + order
+
+
+OutputLayouts = Union[Layout, tuple[Optional[Layout], ...], None]
+
+
+@dataclass(frozen=True)
+class PlacementStrategy:
+    """One way to run an op: output layout(s), the layout each DTensor input must have
+    (None: whatever it has), and the cost of moving each input there."""
+
+    output_specs: OutputLayouts
+    input_specs: tuple[Optional[Layout], ...]
+    redistribute_cost: tuple[float, ...] = ()
+    shape_arg: Optional[int] = None  # argument that holds output 0's shape: rewritten per rank
+
+    def __str__(self) -> str:
+        ins = ", ".join("*" if s is None else str(s) for s in self.input_specs)
+        outs = self.output_specs
+        out = ", ".join(str(o) for o in outs) if isinstance(outs, tuple) else str(outs)
+        return f"[{ins}] -> {out}"
+
+
+class StrategyType:
+    """Base of `OpStrategy` and `TupleStrategy`."""
+
+
+class OpStrategy(StrategyType):
+    """The candidate placement strategies of one op call."""
+
+    def __init__(self, strategies: list[PlacementStrategy]) -> None:
+        self.strategies = strategies
+
+    def __repr__(self) -> str:
+        return "OpStrategy[" + "; ".join(str(s) for s in self.strategies) + "]"
+
+
+class TupleStrategy(StrategyType):
+    """Independent strategies, one per output (each sees all inputs, constrains its own)."""
+
+    def __init__(self, childs: tuple[OpStrategy, ...]) -> None:
+        self.childs = childs
+
+    def __repr__(self) -> str:
+        return "TupleStrategy(" + ", ".join(repr(c) for c in self.childs) + ")"
+
 
 @dataclass(frozen=True)
 class OutputSharding:
-    """A rule's answer: the layout each tensor input must have (None: as it is), the layout
-    of each output, and which argument (if any) holds a shape to rewrite for the local op."""
+    """The propagator's answer for one schema.
 
-    input_layouts: tuple[Optional[Layout], ...]
-    output_layouts: Union[Layout, tuple[Optional[Layout], ...], None]
+    `input_specs[k]`: the spec DTensor input k (flattened order) must be moved to, or None to
+    use it as it is; `output_spec`: the spec of each output; `shape_arg`: an argument to
+    replace by output 0's local shape; `fallback`: the op ran replicated without a strategy.
+    """
+
+    input_specs: tuple[Optional[DTensorSpec], ...]
+    output_spec: Union[DTensorSpec, tuple[Optional[DTensorSpec], ...], None]
     shape_arg: Optional[int] = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    fallback: bool = False
 
-
-
+    @property
+    def needs_redistribute(self) -> bool:
+        return any(s is not None for s in self.input_specs)

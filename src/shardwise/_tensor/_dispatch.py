@@ -1,97 +1,83 @@
 """Eager dispatch of an aten op on DTensors: look up the plan, redistribute, run locally, wrap.
 
 The first call with a given op, argument layouts and non-tensor arguments builds a plan
-(propagation on the abstract layouts plus this rank's local shapes); every later call with
+(propagation on the global specs plus this rank's local shapes); every later call with
 the same key is a dictionary lookup followed by the local op.
+
+An argument the op writes (in-place self, `out=`) that had to be moved is written back
+into the layout it had, so a DTensor never changes layout behind its owner's back.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import torch
 
+from .._layout import contiguous_strides
 from .._mesh import DeviceMesh
-from .._spec import DTensorSpec
+from .._placement import Replicate
+from .._spec import DTensorSpec, TensorMeta
 from .._ops import OpSchema, ScalarTensor, propagate
 from ._redistribute import redistribute_local
 
-__all__ = ["dispatch"]
+__all__ = ["dispatch", "implicit_replication"]
+
+_IMPLICIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_implicit_replication", default=False)
+
+
+@contextlib.contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Inside this block, a plain tensor mixed with DTensors counts as replicated on their mesh.
+
+    Use it for tensors that really are the same on every rank (a mask, a position table);
+    outside it, mixing them is an error, because a rank-local tensor would be silently
+    treated as global.
+    """
+    token = _IMPLICIT.set(True)
+    try:
+        yield
+    finally:
+        _IMPLICIT.reset(token)
+
+
+# Where a DTensor input sits: (positional index or keyword name, index in a list or None).
+Location = tuple[Union[int, str], Optional[int]]
 
 
 class _Plan:
-    """What to do for one cache key: per DTensor argument position, the spec to move it to
-    (None: use its local tensor as is), the output specs, and a local shape argument."""
+    """What to do for one cache key."""
 
-    __slots__ = ("moves", "outputs", "single", "shape_arg", "local_shape", "inplace")
+    __slots__ = ("moves", "simple", "outputs", "single", "shape_arg", "local_shape", "writebacks", "returns")
 
-    def __init__(
-        self,
-        moves: tuple[tuple[int, Optional[DTensorSpec]], ...],
-        outputs: Union[DTensorSpec, tuple[Optional[DTensorSpec], ...], None],
-        shape_arg: Optional[int],
-        local_shape: Optional[list[int]],
-        inplace: bool,
-    ) -> None:
-        self.moves = moves
-        self.outputs = outputs
-        self.single = outputs if isinstance(outputs, DTensorSpec) else None
-        self.shape_arg = shape_arg
-        self.local_shape = local_shape
-        self.inplace = inplace
+    def __init__(self) -> None:
+        self.moves: tuple[tuple[Any, Optional[DTensorSpec]], ...] = ()
+        self.simple = True  # every DTensor input is a top-level positional argument
+        self.outputs: Union[DTensorSpec, tuple[Optional[DTensorSpec], ...], None] = None
+        self.single: Optional[DTensorSpec] = None
+        self.shape_arg: Optional[int] = None
+        self.local_shape: Optional[list[int]] = None
+        self.writebacks: tuple[Location, ...] = ()
+        self.returns: Optional[tuple[Location, ...]] = None  # in-place / out=: return these inputs
 
 
-# Keyed by (op, one entry per argument, kwargs): a DTensor argument contributes its spec
-# (hashed once, at creation), anything else (type, value) -- 2, 2.0 and True give
-# different dtypes, so the type is part of the key.
+# Keyed by (op, one entry per argument, kwargs): a DTensor contributes its spec (hashed
+# once, at creation), anything else (type, value): 2, 2.0 and True give different dtypes.
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
-_SCALARS = (int, float, bool, complex, type(None), str, torch.dtype)
+_SCALARS = (int, float, bool, complex, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
-def _schema_arg(a: Any, func: Any) -> Any:
-    if isinstance(a, DTensor):
-        return a._spec
-    if isinstance(a, torch.Tensor):
-        if a.ndim == 0:
-            return ScalarTensor(a.dtype, a.device.type)
-        # ValueError, not TypeError: torch turns a TypeError inside `a + b` into NotImplemented,
-        # and Python would replace this message with "unsupported operand type(s)".
-        raise ValueError(
-            f"{func} got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensors: wrap it with "
-            f"shardwise.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements) first"
-        )
-    if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
-        raise NotImplementedError(f"{func} takes a list of tensors; list-of-DTensor ops arrive with the propagation issue")
-    if isinstance(a, list):
-        return tuple(a)
-    return a
-
-
-def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan:
-    schema = OpSchema(
-        func,
-        tuple(_schema_arg(a, func) for a in args),
-        tuple((k, _schema_arg(v, func)) for k, v in kwargs.items()) if kwargs else (),
+def _plain_error(func: Any, a: torch.Tensor) -> ValueError:
+    # ValueError, not TypeError: torch turns a TypeError inside `a + b` into NotImplemented,
+    # and Python would replace this message with "unsupported operand type(s)".
+    return ValueError(
+        f"{func} got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensors: wrap it with "
+        f"shardwise.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements), "
+        f"or, if it is the same on every rank, run the op inside shardwise.implicit_replication()"
     )
-    result = propagate(schema)
-    local_shape = None
-    if result.shape_arg is not None:
-        spec = result.output_specs
-        assert isinstance(spec, DTensorSpec)
-        mesh = spec.mesh
-        assert isinstance(mesh, DeviceMesh)
-        coordinate = mesh._coordinate or (0,) * mesh.ndim
-        local_shape = list(spec.local_shape_and_offset(coordinate)[0])
-    arguments = func._schema.arguments
-    inplace = bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
-    if inplace and result.input_specs and result.input_specs[0] is not None:
-        raise ValueError(
-            f"in-place {func} would have to change the layout of its first argument "
-            f"({schema}); redistribute that tensor first or use the out-of-place op"
-        )
-    positions = [k for k, a in enumerate(args) if isinstance(a, DTensor)]
-    moves = tuple(zip(positions, result.input_specs))
-    return _Plan(moves, result.output_specs, result.shape_arg, local_shape, inplace)
 
 
 def _key_part(a: Any, func: Any) -> Any:
@@ -99,9 +85,110 @@ def _key_part(a: Any, func: Any) -> Any:
         return a._spec
     if isinstance(a, _SCALARS):
         return (a.__class__, a)
-    if isinstance(a, list):
-        return (list, tuple(_key_part(x, func) for x in a))
-    return (a.__class__, _schema_arg(a, func))
+    if isinstance(a, torch.Tensor):
+        if a.ndim == 0:
+            return ScalarTensor(a.dtype, a.device.type)
+        if _IMPLICIT.get():
+            return ("plain", a.shape, a.dtype, a.device.type)
+        raise _plain_error(func, a)
+    if isinstance(a, (list, tuple)):
+        return (a.__class__, tuple(_key_part(x, func) for x in a))
+    return (a.__class__, a)
+
+
+def _schema_arg(a: Any, mesh: Optional[DeviceMesh]) -> Any:
+    if isinstance(a, DTensor):
+        return a._spec
+    if isinstance(a, torch.Tensor):
+        if a.ndim == 0:
+            return ScalarTensor(a.dtype, a.device.type)
+        assert mesh is not None
+        meta = TensorMeta(a.shape, contiguous_strides(a.shape), a.dtype)
+        return DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta)
+    if isinstance(a, (list, tuple)):
+        return tuple(_schema_arg(x, mesh) for x in a)
+    return a
+
+
+def _is_input(a: Any) -> bool:
+    return isinstance(a, DTensor) or (isinstance(a, torch.Tensor) and a.ndim > 0)
+
+
+def _locations(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Location]:
+    found: list[Location] = []
+    for key, value in list(enumerate(args)) + list(kwargs.items()):
+        if _is_input(value):
+            found.append((key, None))
+        elif isinstance(value, (list, tuple)):
+            found.extend((key, j) for j, x in enumerate(value) if _is_input(x))
+    return found
+
+
+def _first_mesh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[DeviceMesh]:
+    for value in list(args) + list(kwargs.values()):
+        for x in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(x, DTensor):
+                mesh = x._spec.mesh
+                assert isinstance(mesh, DeviceMesh)
+                return mesh
+    return None
+
+
+def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan:
+    mesh = _first_mesh(args, kwargs)
+    schema = OpSchema(
+        func,
+        tuple(_schema_arg(a, mesh) for a in args),
+        tuple((k, _schema_arg(v, mesh)) for k, v in kwargs.items()) if kwargs else (),
+    )
+    result = propagate(schema)
+    plan = _Plan()
+    where = _locations(args, kwargs)
+    plan.moves = tuple(zip(where, result.input_specs))
+    plan.simple = all(isinstance(k, int) and j is None for k, j in where)
+    if plan.simple:
+        plan.moves = tuple((k, t) for (k, _), t in plan.moves)
+    plan.outputs = result.output_spec
+    plan.single = result.output_spec if isinstance(result.output_spec, DTensorSpec) else None
+    if result.shape_arg is not None:
+        spec = plan.single
+        assert spec is not None and isinstance(spec.mesh, DeviceMesh)
+        coordinate = spec.mesh._coordinate or (0,) * spec.mesh.ndim
+        plan.shape_arg = result.shape_arg
+        plan.local_shape = list(spec.local_shape_and_offset(coordinate)[0])
+    written = _written_args(func, args, kwargs)
+    plan.writebacks = tuple(loc for loc, target in zip(where, result.input_specs) if target is not None and loc[0] in written)
+    if written:
+        plan.returns = tuple(loc for loc in where if loc[0] in written)
+    return plan
+
+
+def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[Union[int, str]]:
+    """Positions / names of the arguments the op writes (in-place self, out= tensors)."""
+    written: set[Union[int, str]] = set()
+    for k, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            if a.kwarg_only or k >= len(args):
+                written.add(a.name)
+            else:
+                written.add(k)
+    return written
+
+
+def _get(args: Any, kwargs: dict[str, Any], loc: Location) -> Any:
+    key, j = loc
+    value = args[key] if isinstance(key, int) else kwargs[key]
+    return value if j is None else value[j]
+
+
+def _local(a: Any, target: Optional[DTensorSpec]) -> torch.Tensor:
+    if isinstance(a, DTensor):
+        return a._local_tensor if target is None else redistribute_local(a._local_tensor, a._spec, target)
+    # a plain tensor under implicit_replication: replicated, so its local piece is itself
+    if target is None:
+        return a  # type: ignore[no-any-return]
+    spec = DTensorSpec(target.mesh, (Replicate(),) * target.mesh.ndim, target.tensor_meta)
+    return redistribute_local(a, spec, target)
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -112,18 +199,48 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if plan is None:
         plan = _make_plan(func, args, kwargs)
         _PLANS[key] = plan
-    local_args = list(args)
-    for k, target in plan.moves:
-        a = args[k]
-        local_args[k] = a._local_tensor if target is None else redistribute_local(a._local_tensor, a._spec, target)
+    if plan.simple:
+        local_args = list(args)
+        for k, target in plan.moves:
+            local_args[k] = _local(args[k], target)
+        local_kwargs = kwargs
+    else:
+        local_args, local_kwargs = _unwrap_nested(args, kwargs, plan)
     if plan.shape_arg is not None:
         local_args[plan.shape_arg] = plan.local_shape
-    out = func(*local_args, **kwargs)
-    if plan.inplace:
-        return args[0]
+    out = func(*local_args, **local_kwargs)
+    if plan.writebacks:
+        _write_back(args, kwargs, local_args, local_kwargs, plan)
+    if plan.returns is not None:
+        returned = [_get(args, kwargs, loc) for loc in plan.returns]
+        return returned[0] if len(returned) == 1 else tuple(returned)
     if plan.single is not None:
         return DTensor(out, plan.single, requires_grad=False)
     return _wrap(out, plan.outputs)
+
+
+def _unwrap_nested(args: tuple[Any, ...], kwargs: dict[str, Any], plan: _Plan) -> tuple[list[Any], dict[str, Any]]:
+    local_args: list[Any] = [list(a) if isinstance(a, (list, tuple)) else a for a in args]
+    local_kwargs = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
+    for (key, j), target in plan.moves:
+        holder: Any = local_args if isinstance(key, int) else local_kwargs
+        value = _local(_get(args, kwargs, (key, j)), target)
+        if j is None:
+            holder[key] = value
+        else:
+            holder[key][j] = value
+    return local_args, local_kwargs
+
+
+def _write_back(args: Any, kwargs: dict[str, Any], local_args: Any, local_kwargs: dict[str, Any], plan: _Plan) -> None:
+    """Results written into a moved copy go back into the owner's layout and storage."""
+    targets = dict(plan.moves) if not plan.simple else {(k, None): t for k, t in plan.moves}
+    for loc in plan.writebacks:
+        owner = _get(args, kwargs, loc)
+        written = _get(local_args, local_kwargs, loc)
+        target = targets[loc]
+        assert isinstance(owner, DTensor) and target is not None
+        owner._local_tensor.copy_(redistribute_local(written, target, owner._spec))
 
 
 def _wrap(out: Any, spec: Any) -> Any:
