@@ -48,7 +48,7 @@ _NEGATION = {aten.neg.default, aten.neg_.default}
 def _partial_options(op: torch._ops.OpOverload, args: tuple[Any, ...], i: int) -> list[tuple[Placement, list[Placement]]]:
     """Ways to keep a Partial on mesh dim i: (output placement, required input placements)."""
     dspecs = [(k, a) for k, a in enumerate(args) if isinstance(a, DTensorSpec)]
-    found = []
+    found: list[tuple[Placement, list[Placement]]] = []
     for k, spec in dspecs:
         p = spec.placements[i]
         if not isinstance(p, Partial):
