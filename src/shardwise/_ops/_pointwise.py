@@ -111,11 +111,6 @@ def pointwise_strategy(schema: OpSchema) -> OpStrategy:
         # an out= tensor receives the output: it is asked for the output's layout (the
         # dispatcher writes the result back into the layout it had)
         strategies.append(PlacementStrategy(Layout(out), tuple(ins) + (Layout(out),) * extra))
-    if schema.is_inplace() and isinstance(schema.args_schema[0], DTensorSpec):
-        self_spec = schema.args_schema[0]
-        keep = [s for s in strategies if s.output_specs == Layout(self_spec.placements)]
-        if keep and not self_spec.shard_order:
-            strategies = keep
     return OpStrategy(strategies)
 
 

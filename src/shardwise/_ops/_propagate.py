@@ -84,6 +84,20 @@ def _memory(strategy: PlacementStrategy, specs: list[DTensorSpec], out_meta: Any
     return total
 
 
+def _writeback_cost(schema: OpSchema, candidate: PlacementStrategy) -> float:
+    """In-place ops: the cost of moving the result back into self's layout, if it differs."""
+    if not schema.is_inplace() or not isinstance(schema.args_schema[0], DTensorSpec):
+        return 0.0
+    me, out = schema.args_schema[0], candidate.output_specs
+    if not isinstance(out, Layout) or (out.placements == me.placements and out.shard_order == me.shard_order):
+        return 0.0
+    plan = plan_redistribute(
+        tuple(me.mesh.shape), tuple(me.shape), me.dtype.itemsize,
+        out.placements, me.placements, out.shard_order, me.shard_order,
+    )
+    return plan.cost + 1e-3  # a write-back is a copy even when it moves no bytes
+
+
 def _pick(schema: OpSchema, strategy: OpStrategy, specs: list[DTensorSpec]) -> PlacementStrategy:
     best: Optional[tuple[float, int, PlacementStrategy]] = None
     for candidate in strategy.strategies:
@@ -93,6 +107,7 @@ def _pick(schema: OpSchema, strategy: OpStrategy, specs: list[DTensorSpec]) -> P
                 f"{len(specs)} DTensor inputs: {candidate}"
             )
         cost = sum(redistribute_cost(s, lay) for s, lay in zip(specs, candidate.input_specs))
+        cost += _writeback_cost(schema, candidate)
         if math.isinf(cost):
             continue
         key = (round(cost, 6), _memory(candidate, specs, schema.output_meta()), candidate)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -24,7 +24,25 @@ from .._spec import DTensorSpec, TensorMeta
 from .._ops import OpSchema, ScalarTensor, propagate
 from ._redistribute import redistribute_local
 
-__all__ = ["dispatch", "implicit_replication"]
+__all__ = ["dispatch", "implicit_replication", "register_local_impl"]
+
+# Ops whose local computation is not the op on the local pieces: random ops draw from the
+# placement-invariant generator instead, so every layout gives the same global values.
+# impl(func, local_args, local_kwargs, output_spec) -> local output.
+LocalImpl = Callable[[Any, list[Any], dict[str, Any], Any], Any]
+_LOCAL_IMPLS: dict[Any, LocalImpl] = {}
+
+
+def register_local_impl(ops: Any) -> Callable[[LocalImpl], LocalImpl]:
+    """Run `impl` instead of the aten op on local pieces for these ops (random ops)."""
+    targets = ops if isinstance(ops, (list, tuple)) else [ops]
+
+    def wrap(impl: LocalImpl) -> LocalImpl:
+        for op in targets:
+            _LOCAL_IMPLS[op] = impl
+        return impl
+
+    return wrap
 
 _IMPLICIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_implicit_replication", default=False)
 
@@ -51,7 +69,7 @@ Location = tuple[Union[int, str], Optional[int]]
 class _Plan:
     """What to do for one cache key."""
 
-    __slots__ = ("moves", "simple", "outputs", "single", "shape_arg", "local_shape", "writebacks", "returns")
+    __slots__ = ("moves", "simple", "outputs", "single", "shape_arg", "local_shape", "writebacks", "returns", "impl")
 
     def __init__(self) -> None:
         self.moves: tuple[tuple[Any, Optional[DTensorSpec]], ...] = ()
@@ -62,6 +80,7 @@ class _Plan:
         self.local_shape: Optional[list[int]] = None
         self.writebacks: tuple[Location, ...] = ()
         self.returns: Optional[tuple[Location, ...]] = None  # in-place / out=: return these inputs
+        self.impl: Optional[LocalImpl] = None
 
 
 # Keyed by (op, one entry per argument, kwargs): a DTensor contributes its spec (hashed
@@ -156,6 +175,7 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pla
         coordinate = spec.mesh._coordinate or (0,) * spec.mesh.ndim
         plan.shape_arg = result.shape_arg
         plan.local_shape = list(spec.local_shape_and_offset(coordinate)[0])
+    plan.impl = _LOCAL_IMPLS.get(func)
     written = _written_args(func, args, kwargs)
     plan.writebacks = tuple(loc for loc, target in zip(where, result.input_specs) if target is not None and loc[0] in written)
     if written:
@@ -208,7 +228,10 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         local_args, local_kwargs = _unwrap_nested(args, kwargs, plan)
     if plan.shape_arg is not None:
         local_args[plan.shape_arg] = plan.local_shape
-    out = func(*local_args, **local_kwargs)
+    if plan.impl is None:
+        out = func(*local_args, **local_kwargs)
+    else:
+        out = plan.impl(func, local_args, local_kwargs, plan.outputs)
     if plan.writebacks:
         _write_back(args, kwargs, local_args, local_kwargs, plan)
     if plan.returns is not None:

@@ -1,0 +1,233 @@
+"""Check op strategies in one process: simulate every rank of a mesh, no process groups.
+
+For an op call and input layouts, `check_op` asks the op's strategy function for its
+candidates (on an `AbstractMesh`) and, for every candidate, cuts each input into the
+pieces the candidate asks for (Partial inputs as genuinely different random terms), runs
+the op on every simulated rank's pieces, reassembles each output from the candidate's
+output layout and compares it with the op on the full tensors. It also checks what the
+propagator would choose. So a wrong strategy fails here in milliseconds, before any
+multi-rank test.
+
+    check_op(torch.ops.aten.mm.default, (a, b), layouts=[[(Shard(0),), (Replicate(),)]], mesh_shape=(4,))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from shardwise import AbstractMesh, Partial, Placement, Replicate, Shard
+from shardwise._layout import contiguous_strides
+from shardwise._ops import Layout, OpSchema, OpStrategy, PlacementStrategy, TupleStrategy, get_op_strategy, propagate
+from shardwise._spec import DTensorSpec, TensorMeta
+
+from .oracle import local_piece
+
+__all__ = ["check_op", "simulate", "assemble_output", "default_layouts", "coordinates"]
+
+
+def coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    return list(itertools.product(*[range(n) for n in mesh_shape]))
+
+
+def _terms(full: torch.Tensor, mesh_shape: Sequence[int], layout: Layout, seed: int) -> dict[tuple[int, ...], torch.Tensor]:
+    """Each rank's local tensor for `layout`: its piece, split into random terms on Partial dims."""
+    order = dict(layout.shard_order)
+    out = {}
+    for c in coordinates(mesh_shape):
+        piece = local_piece(full, mesh_shape, layout.placements, c, order).clone()
+        for i, p in enumerate(layout.placements):
+            if not isinstance(p, Partial):
+                continue
+            n = mesh_shape[i]
+            key = tuple(x for j, x in enumerate(c) if isinstance(layout.placements[j], Shard) or (j < i and isinstance(layout.placements[j], Partial)))
+            noise = [torch.randn(piece.shape, generator=torch.Generator().manual_seed(hash((seed, i, k, key)) & 0xFFFFFF)).to(piece.dtype)
+                     if piece.is_floating_point() else torch.zeros_like(piece) for k in range(n)]
+            mean = torch.stack(noise).mean(0) if piece.is_floating_point() else 0
+            if p.reduce_op == "sum":
+                piece = piece / n + (noise[c[i]] - mean) if piece.is_floating_point() else (piece if c[i] == 0 else torch.zeros_like(piece))
+            elif p.reduce_op == "avg":
+                piece = piece + (noise[c[i]] - mean)
+            elif p.reduce_op == "max":
+                piece = piece if c[i] == 0 else piece - noise[c[i]].abs()
+            else:
+                piece = piece if c[i] == 0 else piece + noise[c[i]].abs()
+        out[c] = piece
+    return out
+
+
+def assemble_output(pieces: dict[tuple[int, ...], torch.Tensor], mesh_shape: Sequence[int], layout: Layout) -> torch.Tensor:
+    """The global tensor from every rank's output piece (default split order), checking replicas agree."""
+    if layout.shard_order:
+        raise NotImplementedError("assemble_output handles default split orders only")
+    current = dict(pieces)
+    for i in reversed(range(len(mesh_shape))):
+        p = layout.placements[i]
+        grouped: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for c in sorted(current):
+            grouped.setdefault(c[:i], []).append(current[c])
+        merged = {}
+        for rest, group in grouped.items():
+            if isinstance(p, Shard):
+                merged[rest] = torch.cat(group, dim=p.dim)
+            elif isinstance(p, Replicate):
+                for g in group[1:]:
+                    assert torch.equal(g, group[0]) or torch.allclose(g, group[0], equal_nan=True), (
+                        f"replicas along mesh dim {i} disagree for output layout {layout}")
+                merged[rest] = group[0]
+            elif isinstance(p, Partial):
+                stacked = torch.stack(group)
+                merged[rest] = {"sum": stacked.sum(0), "avg": stacked.float().mean(0).to(stacked.dtype) if not stacked.is_floating_point() else stacked.mean(0),
+                                "max": stacked.amax(0), "min": stacked.amin(0)}[p.reduce_op]
+        current = merged
+    return current[()]
+
+
+def _spec(mesh: AbstractMesh, t: torch.Tensor, layout: Layout) -> DTensorSpec:
+    return DTensorSpec(mesh, layout.placements, TensorMeta(t.shape, contiguous_strides(t.shape), t.dtype), layout.shard_order)
+
+
+def _flat_tensors(values: Sequence[Any]) -> list[torch.Tensor]:
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.ndim > 0:
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor) and x.ndim > 0)
+    return out
+
+
+def _replace(values: Sequence[Any], it: Any) -> list[Any]:
+    out: list[Any] = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.ndim > 0:
+            out.append(next(it))
+        elif isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) and x.ndim > 0 for x in v):
+            out.append([next(it) if isinstance(x, torch.Tensor) and x.ndim > 0 else x for x in v])
+        else:
+            out.append(v)
+    return out
+
+
+def schema_for(op: Any, args: Sequence[Any], kwargs: dict[str, Any], mesh: AbstractMesh, layouts: Sequence[Layout]) -> OpSchema:
+    it = iter(_spec(mesh, t, lay) for t, lay in zip(_flat_tensors(list(args) + list(kwargs.values())), layouts))
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.ndim > 0:
+            return next(it)
+        if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) and x.ndim > 0 for x in v):
+            return tuple(next(it) if isinstance(x, torch.Tensor) and x.ndim > 0 else x for x in v)
+        if isinstance(v, list):
+            return tuple(v)
+        return v
+
+    a = tuple(conv(v) for v in args)
+    k = tuple((name, conv(v)) for name, v in kwargs.items())
+    return OpSchema(op, a, k)
+
+
+def simulate(op: Any, args: Sequence[Any], kwargs: dict[str, Any], mesh_shape: Sequence[int],
+             strategy: PlacementStrategy, in_layouts: Sequence[Layout], seed: int = 0) -> Any:
+    """Run `strategy` on every simulated rank; return the assembled output(s)."""
+    tensors = _flat_tensors(list(args) + list(kwargs.values()))
+    wanted = [lay if lay is not None else cur for lay, cur in zip(strategy.input_specs, in_layouts)]
+    locals_per_input = [_terms(t, mesh_shape, lay, seed + k) for k, (t, lay) in enumerate(zip(tensors, wanted))]
+    outs = strategy.output_specs
+    out_layouts = outs if isinstance(outs, tuple) else (outs,)
+    mesh = AbstractMesh(tuple(mesh_shape))
+    per_rank: dict[tuple[int, ...], Any] = {}
+    for c in coordinates(mesh_shape):
+        it = iter([li[c] for li in locals_per_input])
+        n_args = len(args)
+        flat = _replace(list(args) + list(kwargs.values()), it)
+        largs, lkw = flat[:n_args], dict(zip(kwargs.keys(), flat[n_args:]))
+        if strategy.shape_arg is not None:
+            full_out = op(*args, **kwargs)
+            lay = out_layouts[0]
+            spec = _spec(mesh, full_out, lay)
+            largs[strategy.shape_arg] = list(spec.local_shape_and_offset(c)[0])
+        result = op(*largs, **lkw)
+        if schema_is_inplace(op):
+            result = largs[0]
+        per_rank[c] = result
+    if isinstance(outs, tuple):
+        return tuple(
+            None if lay is None else assemble_output({c: r[k] for c, r in per_rank.items()}, mesh_shape, lay)
+            for k, lay in enumerate(out_layouts)
+        )
+    return assemble_output(per_rank, mesh_shape, outs)
+
+
+def schema_is_inplace(op: Any) -> bool:
+    a = op._schema.arguments
+    return bool(a) and a[0].alias_info is not None and a[0].alias_info.is_write
+
+
+def default_layouts(tensors: Sequence[torch.Tensor], mesh_ndim: int) -> list[list[Layout]]:
+    """Each input Shard on each dim / Replicate / Partial(sum), per mesh dim, all combinations
+    (capped: at most 64 combinations, sampled deterministically)."""
+    per_tensor = []
+    for t in tensors:
+        choices: list[Placement] = [Shard(d) for d in range(t.ndim)] + [Replicate(), Partial()]
+        per_tensor.append([Layout(c) for c in itertools.product(choices, repeat=mesh_ndim)])
+    combos = list(itertools.product(*per_tensor))
+    if len(combos) > 64:
+        step = len(combos) / 64
+        combos = [combos[int(k * step)] for k in range(64)]
+    return [list(c) for c in combos]
+
+
+def _close(got: Any, want: Any, atol: float, rtol: float, what: str) -> None:
+    if isinstance(want, (tuple, list)):
+        for g, w in zip(got, want):
+            if g is not None:
+                _close(g, w, atol, rtol, what)
+        return
+    if isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True, msg=lambda m: f"{what}\n{m}")
+
+
+def check_op(
+    op: Any,
+    args: Sequence[Any],
+    kwargs: Optional[dict[str, Any]] = None,
+    *,
+    mesh_shape: Sequence[int] = (2, 2),
+    layouts: Optional[Sequence[Sequence[Layout | tuple[Placement, ...]]]] = None,
+    atol: float = 1e-5,
+    rtol: float = 1.3e-6,
+    check_all_candidates: bool = True,
+) -> int:
+    """Check the op's strategies for each input layout combination; returns how many
+    (layout combination, candidate) pairs were simulated."""
+    kwargs = kwargs or {}
+    fn = get_op_strategy(op)
+    assert fn is not None, f"no strategy registered for {op}"
+    tensors = _flat_tensors(list(args) + list(kwargs.values()))
+    want = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+    if schema_is_inplace(op):
+        want = args[0].clone()
+        op(want, *args[1:], **kwargs)
+    mesh = AbstractMesh(tuple(mesh_shape))
+    combos = [[lay if isinstance(lay, Layout) else Layout(tuple(lay)) for lay in combo] for combo in layouts] if layouts \
+        else default_layouts(tensors, len(mesh_shape))
+    count = 0
+    for combo in combos:
+        schema = schema_for(op, args, kwargs, mesh, combo)
+        strategy = fn(schema)
+        children = strategy.childs if isinstance(strategy, TupleStrategy) else (strategy,)
+        for child in children:
+            assert isinstance(child, OpStrategy)
+            candidates = child.strategies if check_all_candidates else []
+            for cand in candidates:
+                if isinstance(strategy, TupleStrategy):
+                    continue  # simulated through the propagator's choice below
+                got = simulate(op, [a.clone() if isinstance(a, torch.Tensor) else a for a in args], kwargs, mesh_shape, cand, combo)
+                _close(got, want, atol, rtol, f"{op} inputs {[str(c) for c in combo]} candidate {cand}")
+                count += 1
+        chosen = propagate(schema)  # the propagator's pick must be one of the candidates and valid
+        assert chosen is not None
+    return count
