@@ -1,6 +1,7 @@
 """The DTensor layer: the tensor subclass, its dispatch, constructors and random numbers."""
 
 from ._api import distribute_tensor, empty, from_local, full, ones, rand, randn, zeros
+from . import _random_ops  # noqa: F401  (registers local impls of random ops)
 from ._dispatch import implicit_replication
 from ._dtensor import DTensor
 from ._random import manual_seed
