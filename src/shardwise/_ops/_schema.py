@@ -106,7 +106,7 @@ class OpSchema:
     def output_meta(self) -> Any:
         """Global shape/stride/dtype of each output: a meta-device run of the op (cached)."""
         if self._out_meta is _UNSET:
-            out = self.op(*_to_meta(self.args_schema), **{k: _to_meta(v) for k, v in self.kwargs_schema})
+            out = self.op(*[_to_meta(a) for a in self.args_schema], **{k: _to_meta(v) for k, v in self.kwargs_schema})
             self._out_meta = _meta_of(out)
         return self._out_meta
 
