@@ -58,19 +58,6 @@ def _sum_strategy(schema: OpSchema) -> OpStrategy:
     return OpStrategy([PlacementStrategy(Layout(tuple(out)), (_need(spec, tuple(need)),))])
 
 
-@register_op_strategy(aten.mm.default)
-def _mm_strategy(schema: OpSchema) -> OpStrategy:
-    mesh_ndim = schema.args_schema[0].mesh.ndim
-    options = [
-        (Shard(0), Shard(0), Replicate()),  # (m/n, k) @ (k, p) -> (m/n, p)
-        (Shard(1), Replicate(), Shard(1)),  # (m, k) @ (k, p/n) -> (m, p/n)
-        (Partial(), Shard(1), Shard(0)),  # (m, k/n) @ (k/n, p) -> partial sums
-        (Partial(), Partial(), Replicate()),  # linear in the left input
-        (Partial(), Replicate(), Partial()),  # linear in the right input
-    ]
-    return expand_to_mesh(mesh_ndim, options)
-
-
 @register_op_strategy([aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default])
 def _like_strategy(schema: OpSchema) -> OpStrategy:
     spec = schema.args_schema[0]

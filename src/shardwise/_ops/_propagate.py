@@ -43,13 +43,14 @@ def strategy_calls() -> int:
     return _CALLS[0]
 
 
-def redistribute_cost(spec: DTensorSpec, target: Optional[Layout]) -> float:
+def redistribute_cost(spec: DTensorSpec, target: Optional[Layout], partialize: bool = False) -> float:
     """Planner cost (bytes received per rank) of moving `spec` to `target`; inf where the
-    move would invent a Partial (a strategy may keep a Partial input, not ask for one)."""
+    move would invent a Partial (a strategy may keep a Partial input, not ask for one),
+    unless `partialize` allows a Replicate input to become it (a bias added once)."""
     if target is None or (target.placements == spec.placements and target.shard_order == spec.shard_order):
         return 0.0
     for have, want in zip(spec.placements, target.placements):
-        if isinstance(want, Partial) and want != have:
+        if isinstance(want, Partial) and want != have and not (partialize and isinstance(have, Replicate)):
             return math.inf
     plan = plan_redistribute(
         tuple(spec.mesh.shape), tuple(spec.shape), spec.dtype.itemsize,
@@ -106,7 +107,10 @@ def _pick(schema: OpSchema, strategy: OpStrategy, specs: list[DTensorSpec]) -> P
                 f"strategy for {schema.op} gives {len(candidate.input_specs)} input layouts for "
                 f"{len(specs)} DTensor inputs: {candidate}"
             )
-        cost = sum(redistribute_cost(s, lay) for s, lay in zip(specs, candidate.input_specs))
+        cost = sum(
+            redistribute_cost(s, lay, k in candidate.partialize)
+            for k, (s, lay) in enumerate(zip(specs, candidate.input_specs))
+        )
         cost += _writeback_cost(schema, candidate)
         if math.isinf(cost):
             continue

@@ -175,6 +175,9 @@ class PlacementStrategy:
     input_specs: tuple[Optional[Layout], ...]
     redistribute_cost: tuple[float, ...] = ()
     shape_arg: Optional[int] = None  # argument that holds output 0's shape: rewritten per rank
+    # inputs (input_specs index) that may go from Replicate to the Partial this candidate asks
+    # for (the planner's free `partialize`): e.g. a bias added once into partial sums
+    partialize: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         ins = ", ".join("*" if s is None else str(s) for s in self.input_specs)
