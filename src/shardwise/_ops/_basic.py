@@ -56,10 +56,3 @@ def _sum_strategy(schema: OpSchema) -> OpStrategy:
             need.append(Replicate())
             out.append(Replicate())
     return OpStrategy([PlacementStrategy(Layout(tuple(out)), (_need(spec, tuple(need)),))])
-
-
-@register_op_strategy([aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default])
-def _like_strategy(schema: OpSchema) -> OpStrategy:
-    spec = schema.args_schema[0]
-    assert isinstance(spec, DTensorSpec)
-    return OpStrategy([PlacementStrategy(Layout(_replicate_partials(spec), spec.shard_order), (None,))])

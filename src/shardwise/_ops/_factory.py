@@ -1,3 +1,163 @@
-"""Placeholder: strategies for this op family arrive with the propagation issue."""
+"""Strategies for ops that make values instead of computing them: `*_like`, `new_*`, fills
+and random draws.
 
-__all__: list[str] = []
+None of these read their input's values except `bernoulli` (probabilities) and
+`native_dropout` (the tensor it masks), so most need no input movement at all: the output
+takes the input's layout and each rank makes only its piece. What changes is Partial:
+
+| op | input Partial on a mesh dim becomes |
+|---|---|
+| `zeros_like`, `new_zeros` (same shape), `zero_` | kept (every term zero) |
+| other `*_like`, `new_*`, `bernoulli.p`, `fill` | Replicate (the value itself, on every rank) |
+| in-place fills: `fill_`, `uniform_`, `normal_`, ... | kept: the local impl writes the value on the first rank of each P(sum) group, zeros elsewhere |
+| `bernoulli`, `bernoulli_(p tensor)` | probabilities reduced first |
+| `native_dropout` | output kept Partial (x * mask / (1-p) is linear in x), mask Replicate |
+
+`new_*` with a size other than the input's shape has no layout to follow: it is Replicate.
+Random values come from the placement-invariant generator (`_tensor/_random_ops.py`), so
+the layout chosen here never changes them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._placement import Partial, Placement, Replicate, Shard
+from .._spec import DTensorSpec
+from ._registry import register_op_strategy
+from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
+from ._utils import current, replicate
+
+__all__ = ["LIKE_OPS", "NEW_OPS", "INPLACE_FILL_OPS", "RANDOM_OPS"]
+
+aten = torch.ops.aten
+_RANDOM_FROM = getattr(aten.random_, "from")  # `from` is a Python keyword
+
+# Output follows the input; Partial kept where every term of the result is zero.
+_ZERO_LIKE = [aten.zeros_like.default]
+_VALUE_LIKE = [
+    aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+    aten.rand_like.default, aten.randn_like.default,
+    aten.randint_like.default, aten.randint_like.low_dtype,
+    aten.bernoulli.p, aten.fill.Scalar, aten.fill.Tensor,
+]
+LIKE_OPS = _ZERO_LIKE + _VALUE_LIKE
+NEW_OPS = [aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default]
+# Overwrite self whatever its layout; a 0-dim DTensor fill value must be replicated.
+INPLACE_FILL_OPS = [
+    aten.fill_.Scalar, aten.fill_.Tensor,
+    aten.uniform_.default, aten.normal_.default, aten.exponential_.default,
+    aten.bernoulli_.float, aten.random_.default, aten.random_.to, _RANDOM_FROM,
+]
+RANDOM_OPS = [
+    aten.rand_like.default, aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype,
+    aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.bernoulli_.float,
+    aten.bernoulli_.Tensor, aten.bernoulli.default, aten.bernoulli.p,
+    aten.random_.default, aten.random_.to, _RANDOM_FROM, aten.native_dropout.default,
+]
+
+
+def _self(schema: OpSchema) -> DTensorSpec:
+    spec = schema.args_schema[0]
+    if not isinstance(spec, DTensorSpec):
+        raise TypeError(f"{schema.op} expects a DTensor as its first argument, got {type(spec).__name__}")
+    return spec
+
+
+def _without_partial(spec: DTensorSpec) -> Layout:
+    """The spec's layout with every Partial mesh dim turned Replicate (split order kept)."""
+    return Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements), spec.shard_order)
+
+
+def _others_replicated(schema: OpSchema, first: Optional[Layout]) -> tuple[Optional[Layout], ...]:
+    """`first` for self, Replicate for every other DTensor input (fill values, probabilities)."""
+    n = len(schema.input_specs())
+    return (first,) + (replicate(schema.mesh.ndim),) * (n - 1)
+
+
+@register_op_strategy(_ZERO_LIKE)
+def zero_like_strategy(schema: OpSchema) -> OpStrategy:
+    spec = _self(schema)
+    return OpStrategy([PlacementStrategy(current(spec), _others_replicated(schema, None))])
+
+
+@register_op_strategy(_VALUE_LIKE)
+def value_like_strategy(schema: OpSchema) -> OpStrategy:
+    spec = _self(schema)
+    return OpStrategy([PlacementStrategy(_without_partial(spec), _others_replicated(schema, None))])
+
+
+@register_op_strategy(NEW_OPS)
+def new_factory_strategy(schema: OpSchema) -> OpStrategy:
+    """Same shape as self: follow self (each rank allocates its piece, the size argument is
+    rewritten to the local shape); any other shape: Replicate."""
+    spec = _self(schema)
+    size = tuple(schema.arg(1, "size", ()))
+    if size != tuple(spec.shape):
+        return OpStrategy([PlacementStrategy(replicate(spec.mesh.ndim), (None,))])
+    out = current(spec) if schema.op is aten.new_zeros.default else _without_partial(spec)
+    return OpStrategy([PlacementStrategy(out, (None,), shape_arg=1)])
+
+
+@register_op_strategy(aten.new_empty_strided.default)
+def new_empty_strided_strategy(schema: OpSchema) -> OpStrategy:
+    """Replicate: the strides argument describes a global tensor and cannot be localized."""
+    return OpStrategy([PlacementStrategy(replicate(schema.mesh.ndim), (None,))])
+
+
+@register_op_strategy(INPLACE_FILL_OPS)
+def inplace_fill_strategy(schema: OpSchema) -> OpStrategy:
+    spec = _self(schema)
+    return OpStrategy([PlacementStrategy(current(spec), _others_replicated(schema, None))])
+
+
+@register_op_strategy(aten.bernoulli.default)
+def bernoulli_strategy(schema: OpSchema) -> OpStrategy:
+    """bernoulli(probs): shards pass through, Partial probabilities are reduced first."""
+    lay = _without_partial(_self(schema))
+    return OpStrategy([PlacementStrategy(lay, (lay,))])
+
+
+def _follow(self_spec: DTensorSpec, other: DTensorSpec) -> Layout:
+    """Layout of `other` (broadcast against self) matching self's shards; Replicate elsewhere."""
+    off = self_spec.ndim - other.ndim
+
+    def image(d: int) -> Optional[int]:
+        od = d - off
+        return od if od >= 0 and other.shape[od] == self_spec.shape[d] else None
+
+    out: list[Placement] = []
+    for p in self_spec.placements:
+        d = image(p.dim) if isinstance(p, Shard) else None
+        out.append(Shard(d) if d is not None else Replicate())
+    order = tuple((od, ms) for od, ms in ((image(d), ms) for d, ms in self_spec.shard_order) if od is not None)
+    return Layout(tuple(out), order)
+
+
+@register_op_strategy(aten.bernoulli_.Tensor)
+def bernoulli_tensor_strategy(schema: OpSchema) -> OpStrategy:
+    """bernoulli_(self, p): self keeps its layout, the probabilities follow self's shards."""
+    spec = _self(schema)
+    p = schema.arg(1, "p")
+    ins: tuple[Optional[Layout], ...] = (None,)
+    if isinstance(p, DTensorSpec):
+        ins = (None, _follow(spec, p))
+    return OpStrategy([PlacementStrategy(current(spec), ins)])
+
+
+@register_op_strategy(aten.native_dropout.default)
+def native_dropout_strategy(schema: OpSchema) -> OpStrategy:
+    """Per mesh dim: a shard gives shards of output and mask; a Partial stays Partial in the
+    output (scaling by a nonnegative mask is linear and monotone) with the mask replicated.
+    Also offered: everything replicated (Partial reduced first)."""
+    spec = _self(schema)
+    out: list[Placement] = []
+    mask: list[Placement] = []
+    for p in spec.placements:
+        out.append(p)
+        mask.append(p if isinstance(p, Shard) else Replicate())
+    keep = PlacementStrategy((current(spec), Layout(tuple(mask), spec.shard_order)), (None,))
+    r = replicate(spec.mesh.ndim)
+    return OpStrategy([keep, PlacementStrategy((r, r), (r,))])

@@ -75,7 +75,8 @@ def _memory(strategy: PlacementStrategy, specs: list[DTensorSpec], out_meta: Any
     mesh_shape = tuple(specs[0].mesh.shape) if specs else ()
     total = 0
     for spec, lay in zip(specs, strategy.input_specs):
-        total += _local_bytes(spec.tensor_meta, mesh_shape, lay or Layout(spec.placements, spec.shard_order))
+        if lay is not None:  # an input left as it is weighs the same in every candidate
+            total += _local_bytes(spec.tensor_meta, mesh_shape, lay)
     outs = strategy.output_specs
     metas = _as_tuple(out_meta)
     layouts = outs if isinstance(outs, tuple) else (outs,)

@@ -106,8 +106,13 @@ class OpSchema:
     def output_meta(self) -> Any:
         """Global shape/stride/dtype of each output: a meta-device run of the op (cached)."""
         if self._out_meta is _UNSET:
-            out = self.op(*[_to_meta(a) for a in self.args_schema], **{k: _to_meta(v) for k, v in self.kwargs_schema})
-            self._out_meta = _meta_of(out)
+            if not self.op._schema.returns:  # `-> ()` ops (_foreach_add_, _fused_sgd_): nothing to describe
+                self._out_meta = None
+            else:
+                args = [_to_meta(a) for a in self.args_schema]  # lists of specs included
+                # a meta run rejects a real generator; it does not affect shapes
+                kwargs = {k: _to_meta(v) for k, v in self.kwargs_schema if k != "generator"}
+                self._out_meta = _meta_of(self.op(*args, **kwargs))
         return self._out_meta
 
     def __repr__(self) -> str:

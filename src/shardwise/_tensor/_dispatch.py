@@ -235,6 +235,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if plan.writebacks:
         _write_back(args, kwargs, local_args, local_kwargs, plan)
     if plan.returns is not None:
+        if not func._schema.returns:  # `-> ()` ops must return None to torch
+            return None
         returned = [_get(args, kwargs, loc) for loc in plan.returns]
         return returned[0] if len(returned) == 1 else tuple(returned)
     if plan.single is not None:
