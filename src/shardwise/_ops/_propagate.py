@@ -183,12 +183,16 @@ def _fallback(schema: OpSchema) -> OutputSharding:
         )
     mesh = specs[0].mesh
     replicate = Layout((Replicate(),) * mesh.ndim)
-    out_meta = schema.output_meta()
+    inputs = tuple(_target(s, replicate) for s in specs)
+    try:
+        out_meta = schema.output_meta()
+    except Exception:  # data-dependent output shapes (nonzero, unique): described after the run
+        return OutputSharding(inputs, None, fallback=True, dynamic=True)
     if not isinstance(out_meta, TensorMeta) and isinstance(out_meta, tuple):
         out: Any = tuple(_output(mesh, replicate, m) for m in out_meta)
     else:
         out = _output(mesh, replicate, out_meta)
-    return OutputSharding(tuple(_target(s, replicate) for s in specs), out, fallback=True)
+    return OutputSharding(inputs, out, fallback=True)
 
 
 def propagate(schema: OpSchema) -> OutputSharding:

@@ -110,8 +110,9 @@ class OpSchema:
                 self._out_meta = None
             else:
                 args = [_to_meta(a) for a in self.args_schema]  # lists of specs included
-                # a meta run rejects a real generator; it does not affect shapes
-                kwargs = {k: _to_meta(v) for k, v in self.kwargs_schema if k != "generator"}
+                # a meta run rejects a real generator and must not create tensors on a real
+                # device; neither affects shapes
+                kwargs = {k: "meta" if k == "device" else _to_meta(v) for k, v in self.kwargs_schema if k != "generator"}
                 self._out_meta = _meta_of(self.op(*args, **kwargs))
         return self._out_meta
 
@@ -221,13 +222,15 @@ class OutputSharding:
 
     `input_specs[k]`: the spec DTensor input k (flattened order) must be moved to, or None to
     use it as it is; `output_spec`: the spec of each output; `shape_arg`: an argument to
-    replace by output 0's local shape; `fallback`: the op ran replicated without a strategy.
+    replace by output 0's local shape; `fallback`: the op ran replicated without a strategy;
+    `dynamic`: its output shapes depend on the data, so they are read off the local result.
     """
 
     input_specs: tuple[Optional[DTensorSpec], ...]
     output_spec: Union[DTensorSpec, tuple[Optional[DTensorSpec], ...], None]
     shape_arg: Optional[int] = None
     fallback: bool = False
+    dynamic: bool = False
 
     @property
     def needs_redistribute(self) -> bool:

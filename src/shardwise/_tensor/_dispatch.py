@@ -69,7 +69,10 @@ Location = tuple[Union[int, str], Optional[int]]
 class _Plan:
     """What to do for one cache key."""
 
-    __slots__ = ("moves", "simple", "outputs", "single", "shape_arg", "local_shape", "writebacks", "returns", "impl")
+    __slots__ = (
+        "moves", "simple", "outputs", "single", "shape_arg", "local_shape", "writebacks", "returns", "impl",
+        "resolve", "dynamic_mesh",
+    )
 
     def __init__(self) -> None:
         self.moves: tuple[tuple[Any, Optional[DTensorSpec]], ...] = ()
@@ -81,6 +84,8 @@ class _Plan:
         self.writebacks: tuple[Location, ...] = ()
         self.returns: Optional[tuple[Location, ...]] = None  # in-place / out=: return these inputs
         self.impl: Optional[LocalImpl] = None
+        self.resolve = False  # the local op returns a lazy conj/neg view: materialize it
+        self.dynamic_mesh: Optional[DeviceMesh] = None  # outputs described after the run (replicated)
 
 
 # Keyed by (op, one entry per argument, kwargs): a DTensor contributes its spec (hashed
@@ -176,11 +181,30 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pla
         plan.shape_arg = result.shape_arg
         plan.local_shape = list(spec.local_shape_and_offset(coordinate)[0])
     plan.impl = _LOCAL_IMPLS.get(func)
+    plan.resolve = func in _LAZY_VIEWS
+    if result.dynamic:
+        plan.dynamic_mesh = mesh
+    _check_inplace_shape(func, args, result.output_spec)
     written = _written_args(func, args, kwargs)
     plan.writebacks = tuple(loc for loc, target in zip(where, result.input_specs) if target is not None and loc[0] in written)
     if written:
         plan.returns = tuple(loc for loc in where if loc[0] in written)
     return plan
+
+
+_LAZY_VIEWS = {torch.ops.aten._conj.default, torch.ops.aten._neg_view.default}
+
+
+def _check_inplace_shape(func: Any, args: tuple[Any, ...], out: Any) -> None:
+    """An in-place op may not change its self's shape (a DTensor's global shape is fixed)."""
+    arguments = func._schema.arguments
+    inplace = bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+    if inplace and args and isinstance(args[0], DTensor) and isinstance(out, DTensorSpec):
+        if out.shape != args[0].shape:
+            raise ValueError(
+                f"in-place {func} would change a DTensor's shape from {tuple(args[0].shape)} to "
+                f"{tuple(out.shape)}: use the out-of-place op (e.g. x = x.transpose(0, 1))"
+            )
 
 
 def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[Union[int, str]]:
@@ -232,6 +256,10 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = func(*local_args, **local_kwargs)
     else:
         out = plan.impl(func, local_args, local_kwargs, plan.outputs)
+    if plan.resolve:
+        out = out.resolve_conj().resolve_neg()
+    if plan.dynamic_mesh is not None:
+        return _wrap_replicated(out, plan.dynamic_mesh)
     if plan.writebacks:
         _write_back(args, kwargs, local_args, local_kwargs, plan)
     if plan.returns is not None:
@@ -266,6 +294,16 @@ def _write_back(args: Any, kwargs: dict[str, Any], local_args: Any, local_kwargs
         target = targets[loc]
         assert isinstance(owner, DTensor) and target is not None
         owner._local_tensor.copy_(redistribute_local(written, target, owner._spec))
+
+
+def _wrap_replicated(out: Any, mesh: DeviceMesh) -> Any:
+    """Wrap the outputs of a replicated run whose shapes were only known after it."""
+    if isinstance(out, torch.Tensor):
+        meta = TensorMeta(out.shape, tuple(out.stride()), out.dtype)
+        return DTensor(out, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta), requires_grad=False)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap_replicated(o, mesh) for o in out)
+    return out
 
 
 def _wrap(out: Any, spec: Any) -> Any:
