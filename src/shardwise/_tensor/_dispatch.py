@@ -27,19 +27,28 @@ from ._redistribute import redistribute_local
 __all__ = ["dispatch", "implicit_replication", "register_local_impl"]
 
 # Ops whose local computation is not the op on the local pieces: random ops draw from the
-# placement-invariant generator instead, so every layout gives the same global values.
-# impl(func, local_args, local_kwargs, output_spec) -> local output.
-LocalImpl = Callable[[Any, list[Any], dict[str, Any], Any], Any]
+# placement-invariant generator instead, so every layout gives the same global values; a
+# vocab-sharded embedding masks the ids outside the rank's rows.
+# impl(func, local_args, local_kwargs, output_spec) -> local output; registered with
+# `with_input_specs=True`, also `input_specs=`: each DTensor input's spec as the op runs.
+LocalImpl = Callable[..., Any]
 _LOCAL_IMPLS: dict[Any, LocalImpl] = {}
+_WITH_INPUT_SPECS: set[Any] = set()
 
 
-def register_local_impl(ops: Any) -> Callable[[LocalImpl], LocalImpl]:
-    """Run `impl` instead of the aten op on local pieces for these ops (random ops)."""
+def register_local_impl(ops: Any, *, with_input_specs: bool = False) -> Callable[[LocalImpl], LocalImpl]:
+    """Run `impl` instead of the aten op on local pieces for these ops (random ops, masked
+    lookups). With `with_input_specs`, `impl` also receives `input_specs=`: the spec every
+    DTensor input has once moved to the chosen strategy's layout, in flattened input order."""
     targets = ops if isinstance(ops, (list, tuple)) else [ops]
 
     def wrap(impl: LocalImpl) -> LocalImpl:
         for op in targets:
             _LOCAL_IMPLS[op] = impl
+            if with_input_specs:
+                _WITH_INPUT_SPECS.add(op)
+            else:
+                _WITH_INPUT_SPECS.discard(op)
         return impl
 
     return wrap
@@ -71,7 +80,7 @@ class _Plan:
 
     __slots__ = (
         "moves", "simple", "outputs", "single", "shape_arg", "local_shape", "writebacks", "returns", "impl",
-        "resolve", "dynamic_mesh",
+        "resolve", "dynamic_mesh", "impl_specs",
     )
 
     def __init__(self) -> None:
@@ -84,6 +93,7 @@ class _Plan:
         self.writebacks: tuple[Location, ...] = ()
         self.returns: Optional[tuple[Location, ...]] = None  # in-place / out=: return these inputs
         self.impl: Optional[LocalImpl] = None
+        self.impl_specs: Optional[tuple[DTensorSpec, ...]] = None  # input specs for impls that ask
         self.resolve = False  # the local op returns a lazy conj/neg view: materialize it
         self.dynamic_mesh: Optional[DeviceMesh] = None  # outputs described after the run (replicated)
 
@@ -181,6 +191,8 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pla
         plan.shape_arg = result.shape_arg
         plan.local_shape = list(spec.local_shape_and_offset(coordinate)[0])
     plan.impl = _LOCAL_IMPLS.get(func)
+    if func in _WITH_INPUT_SPECS:
+        plan.impl_specs = tuple(t if t is not None else s for s, t in zip(schema.input_specs(), result.input_specs))
     plan.resolve = func in _LAZY_VIEWS
     if result.dynamic:
         plan.dynamic_mesh = mesh
@@ -254,8 +266,10 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         local_args[plan.shape_arg] = plan.local_shape
     if plan.impl is None:
         out = func(*local_args, **local_kwargs)
-    else:
+    elif plan.impl_specs is None:
         out = plan.impl(func, local_args, local_kwargs, plan.outputs)
+    else:
+        out = plan.impl(func, local_args, local_kwargs, plan.outputs, input_specs=plan.impl_specs)
     if plan.resolve:
         out = out.resolve_conj().resolve_neg()
     if plan.dynamic_mesh is not None:
