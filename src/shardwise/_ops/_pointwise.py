@@ -115,17 +115,24 @@ def pointwise_strategy(schema: OpSchema) -> OpStrategy:
 
 
 def _pointwise_ops() -> list[torch._ops.OpOverload]:
+    """Every registered aten overload tagged pointwise (not random).
+
+    Enumerated from the dispatcher's table, not `dir(torch.ops.aten)`, which lists only the
+    ops some code has already looked up (so coverage would depend on import order).
+    """
     ops = _IDENTITY_LIKE | _NEGATION | {aten.copy_.default}
-    for name in dir(aten):
-        packet = getattr(aten, name, None)
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
             continue
-        for overload in packet.overloads():  # type: ignore[no-untyped-call]
-            op = getattr(packet, overload)
-            tags = op.tags
-            if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags:
-                continue
-            ops.add(op)
+        name, _, overload = qualified[len("aten::"):].partition(".")
+        packet = getattr(aten, name, None)
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if not isinstance(op, torch._ops.OpOverload):
+            continue
+        tags = op.tags
+        if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags:
+            continue
+        ops.add(op)
     return sorted(ops, key=str)
 
 
