@@ -61,15 +61,7 @@ def test_no_recorded_pass_regresses(mesh_shape: tuple[int, ...], samples: int) -
 # Wrong values found by the sweep whose cause lies outside the sweep, with that cause. An
 # op listed here still gives a wrong value: the test reports it as xfail (never a pass);
 # any op giving a wrong value that is NOT listed fails the test. Remove an entry once fixed.
-KNOWN_MISMATCHES: dict[str, str] = {
-    "fft.hfftn": "the DTensor wrapper does not carry its local tensor's conj bit: aten._conj's output reaches "
-    "_fft_c2r unresolved, so the conjugation is lost (core dispatch)",
-    "stft": "in-place metadata ops (transpose_, squeeze_) change the local tensor but not the DTensor's "
-    "shape/spec (core dispatch)",
-    "resize_": "resize_ changes the local tensor but not the DTensor's shape/spec (core dispatch)",
-    "native_batch_norm": "eval mode (training=False): save_mean/save_invstd come back with global shape (C,) "
-    "instead of (0,) (norm strategy / local impl)",
-}
+KNOWN_MISMATCHES: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(("mesh_shape", "samples"), sweep.MESHES, ids=_IDS)

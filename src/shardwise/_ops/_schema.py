@@ -113,7 +113,7 @@ class OpSchema:
                 # a meta run rejects a real generator and must not create tensors on a real
                 # device; neither affects shapes
                 kwargs = {k: "meta" if k == "device" else _to_meta(v) for k, v in self.kwargs_schema if k != "generator"}
-                self._out_meta = _meta_of(self.op(*args, **kwargs))
+                self._out_meta = _fix_meta(self, _meta_of(self.op(*args, **kwargs)))
         return self._out_meta
 
     def __repr__(self) -> str:
@@ -129,6 +129,18 @@ class OpSchema:
 
 
 _UNSET = object()
+
+
+def _fix_meta(schema: OpSchema, meta: Any) -> Any:
+    """Correct the meta kernels that disagree with the CPU kernels.
+
+    native_batch_norm in eval mode: the meta kernel describes save_mean/save_invstd as (C,),
+    the CPU kernel returns them empty (0,).
+    """
+    if schema.op is torch.ops.aten.native_batch_norm.default and not schema.arg(5, "training", True):
+        empty = TensorMeta(torch.Size([0]), (1,), meta[1].dtype)
+        return (meta[0], empty, empty)
+    return meta
 
 
 def _iter_specs(values: tuple[Any, ...]) -> Iterator[DTensorSpec]:
