@@ -6,6 +6,9 @@ the one that holds fewer bytes per rank). Results are cached per `OpSchema`.
 An op without a strategy falls back to running replicated: its inputs are gathered, the
 op runs on every rank, the outputs are `Replicate`; a warning names the op once per
 process, and strict mode (`set_strict(True)` or env `SHARDWISE_STRICT=1`) makes it an error.
+For a few ops replicated execution *is* the strategy (their result is a Python value or has
+a data-dependent shape, so every rank must see the whole input): they run the same way,
+without a warning, in strict mode too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import math
 import os
 import warnings
 from typing import Any, Optional
+
+import torch
 
 from .._placement import Partial, Replicate
 from .._redistribute import plan_redistribute
@@ -24,6 +29,16 @@ from ._schema import Layout, OpSchema, OpStrategy, OutputSharding, PlacementStra
 __all__ = ["propagate", "set_strict", "is_strict", "redistribute_cost", "strategy_calls"]
 
 _CACHE: dict[OpSchema, OutputSharding] = {}
+
+aten = torch.ops.aten
+# Ops whose distributed meaning is "on the whole tensor, on every rank": a Python value
+# (item, equal) or an output whose shape depends on the data (nonzero, unique, masked_select).
+REPLICATED_OPS = frozenset({
+    aten._local_scalar_dense.default, aten.equal.default, aten.allclose.default, aten.is_nonzero.default,
+    aten.nonzero.default, aten.nonzero_static.default, aten.masked_select.default,
+    aten.unique_dim.default, aten._unique2.default, aten.unique_consecutive.default,
+    aten.unique_dim_consecutive.default, aten.histc.default, aten.bincount.default,
+})
 _WARNED: set[Any] = set()
 _STRICT = [os.environ.get("SHARDWISE_STRICT", "") not in ("", "0")]
 _CALLS = [0]
@@ -167,14 +182,14 @@ def _choose(schema: OpSchema, strategy: StrategyType) -> OutputSharding:
     return OutputSharding(inputs, out, best.shape_arg)
 
 
-def _fallback(schema: OpSchema) -> OutputSharding:
+def _fallback(schema: OpSchema, intended: bool = False) -> OutputSharding:
     specs = schema.input_specs()
-    if _STRICT[0]:
+    if _STRICT[0] and not intended:
         raise NotImplementedError(
             f"shardwise has no sharding strategy for {schema.op}, called as {schema}; strict mode is on "
             f"(set_strict(False) runs it replicated instead)"
         )
-    if schema.op not in _WARNED:
+    if not intended and schema.op not in _WARNED:
         _WARNED.add(schema.op)
         warnings.warn(
             f"shardwise has no sharding strategy for {schema.op}: it runs replicated (inputs gathered, "
@@ -187,12 +202,12 @@ def _fallback(schema: OpSchema) -> OutputSharding:
     try:
         out_meta = schema.output_meta()
     except Exception:  # data-dependent output shapes (nonzero, unique): described after the run
-        return OutputSharding(inputs, None, fallback=True, dynamic=True)
+        return OutputSharding(inputs, None, fallback=not intended, dynamic=True)
     if not isinstance(out_meta, TensorMeta) and isinstance(out_meta, tuple):
         out: Any = tuple(_output(mesh, replicate, m) for m in out_meta)
     else:
         out = _output(mesh, replicate, out_meta)
-    return OutputSharding(inputs, out, fallback=True)
+    return OutputSharding(inputs, out, fallback=not intended)
 
 
 def propagate(schema: OpSchema) -> OutputSharding:
@@ -201,7 +216,9 @@ def propagate(schema: OpSchema) -> OutputSharding:
     if hit is not None:
         return hit
     fn = get_op_strategy(schema.op)
-    if fn is None:
+    if schema.op in REPLICATED_OPS:
+        result = _fallback(schema, intended=True)
+    elif fn is None:
         result = _fallback(schema)
     else:
         _CALLS[0] += 1
