@@ -3,7 +3,7 @@
 # Importing a family module registers its strategies; later modules override earlier ones.
 from . import _pointwise  # noqa: F401
 from . import _conv, _factory, _foreach, _index, _matmul, _nn, _norm, _reduction, _shape, _view  # noqa: F401
-from . import _fft, _linalg, _spatial  # noqa: F401
+from . import _fft, _linalg, _loss, _misc, _spatial  # noqa: F401
 from ._propagate import is_strict, propagate, redistribute_cost, set_strict, strategy_calls
 from ._registry import get_op_strategy, register_op_strategy, registered_ops
 from ._schema import (
