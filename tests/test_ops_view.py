@@ -398,3 +398,10 @@ def test_view_groups_cover_every_dim_once_with_equal_numel(shapes: tuple[tuple[i
     assert [d for _, outs in groups for d in outs] == list(range(len(b)))
     for ins, outs in groups:
         assert math.prod(a[d] for d in ins) == math.prod(b[d] for d in outs)
+
+
+def test_split_with_sizes_into_one_piece_does_not_keep_the_shard() -> None:
+    # regression: one output piece was treated as the identity, but split_with_sizes([6]) on a
+    # sharded dim asks every rank's smaller local piece for 6 rows and raises
+    x = torch.randn(6, 5)
+    assert check_op(aten.split_with_sizes.default, (x, [6], 0), mesh_shape=(4,), layouts=[[(Shard(0),)]]) > 0

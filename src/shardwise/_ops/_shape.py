@@ -82,7 +82,7 @@ def split_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     dim = normalize_dim(schema.arg(2, "dim", 0), spec.ndim)
     metas = _output_metas(schema)
-    whole = len(metas) == 1  # one piece: the identity
+    whole = len(metas) == 1 and schema.op is aten.split.Tensor  # split_with_sizes([n]) would ask a local piece for n
     return single_input_strategy(spec, _keep_all_but(spec.ndim, () if whole else (dim,)), n_outputs=len(metas))
 
 
