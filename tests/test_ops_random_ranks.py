@@ -133,3 +133,27 @@ def test_random_statistics_partial_inputs_and_dropout_gradients(mesh_shape: tupl
         torch.manual_seed(11)
         again = F.dropout(sw.distribute_tensor(full, mesh, [Replicate()] * n), 0.3, training=True)
         assert torch.equal(again.full_tensor() != 0, yf != 0)  # the same mask under every layout
+
+
+@distributed(world_size=4)
+def test_cauchy_log_normal_geometric_are_placement_invariant_with_sane_values() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    fills = {
+        "cauchy_": lambda t: t.cauchy_(1.0, 0.5),
+        "log_normal_": lambda t: t.log_normal_(0.0, 0.25),
+        "geometric_": lambda t: t.geometric_(0.3),
+    }
+    for name, fill in fills.items():
+        results = []
+        for placements in ([Replicate(), Replicate()], [Shard(0), Shard(1)], [Shard(1), Shard(0)]):
+            torch.manual_seed(11)
+            t = sw.distribute_tensor(torch.zeros(64, 48), mesh, placements)
+            results.append(fill(t).full_tensor())
+        assert all(torch.equal(r, results[0]) for r in results), name
+        v = results[0]
+        if name == "cauchy_":
+            assert abs(float(v.median()) - 1.0) < 0.1
+        elif name == "log_normal_":
+            assert bool((v > 0).all()) and abs(float(v.log().mean())) < 0.05
+        else:
+            assert bool((v >= 1).all()) and torch.equal(v, v.round()) and abs(float(v.mean()) - 1 / 0.3) < 0.2

@@ -49,12 +49,13 @@ NEW_OPS = [aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default
 INPLACE_FILL_OPS = [
     aten.fill_.Scalar, aten.fill_.Tensor,
     aten.uniform_.default, aten.normal_.default, aten.exponential_.default,
+    aten.cauchy_.default, aten.log_normal_.default, aten.geometric_.default,
     aten.bernoulli_.float, aten.random_.default, aten.random_.to, _RANDOM_FROM,
 ]
 RANDOM_OPS = [
     aten.rand_like.default, aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype,
     aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.bernoulli_.float,
-    aten.bernoulli_.Tensor, aten.bernoulli.default, aten.bernoulli.p,
+    aten.cauchy_.default, aten.log_normal_.default, aten.geometric_.default, aten.bernoulli_.Tensor, aten.bernoulli.default, aten.bernoulli.p,
     aten.random_.default, aten.random_.to, _RANDOM_FROM, aten.native_dropout.default,
 ]
 

@@ -38,6 +38,13 @@ REPLICATED_OPS = frozenset({
     aten.nonzero.default, aten.nonzero_static.default, aten.masked_select.default,
     aten.unique_dim.default, aten._unique2.default, aten.unique_consecutive.default,
     aten.unique_dim_consecutive.default, aten.histc.default, aten.bincount.default,
+    # histograms whose bin edges come from the data; an order-dependent hash of all elements;
+    # ranges whose endpoints arrive as (replicated) 0-dim tensors
+    aten.histogram.bin_ct, aten.histogram.bins_tensor, aten._histogramdd_bin_edges.default,
+    aten._histogramdd_from_bin_cts.default, aten._histogramdd_from_bin_tensors.default,
+    aten.hash_tensor.default, aten.linspace.Tensor_Scalar, aten.linspace.Tensor_Tensor,
+    aten.linspace.Scalar_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Tensor_Tensor,
+    aten.logspace.Scalar_Tensor,
 })
 _WARNED: set[Any] = set()
 _STRICT = [os.environ.get("SHARDWISE_STRICT", "") not in ("", "0")]

@@ -12,6 +12,9 @@ holds, so for one seed every layout gives the same global tensor.
 | `normal_(mean, std)`, `randn_like` | mean + std * (Box-Muller normal) |
 | `bernoulli_(p)`, `bernoulli(p)`, `bernoulli(probs)` | u < p |
 | `exponential_(lambd)` | -log(1 - u) / lambd |
+| `cauchy_(median, sigma)` | median + sigma * tan(pi * (u - 1/2)) |
+| `log_normal_(mean, std)` | exp(mean + std * (Box-Muller normal)) |
+| `geometric_(p)` | ceil(log(1 - u) / log(1 - p)), at least 1 |
 | `random_(from, to)`, `randint_like` | from + floor(u * (to - from)) |
 | `native_dropout(x, p)` | mask = u < 1 - p; out = x * mask / (1 - p) |
 
@@ -145,6 +148,34 @@ def _exponential_(func: Any, args: list[Any], kwargs: dict[str, Any], output_spe
     lambd = float(_arg(args, kwargs, 1, "lambd", 1.0))
     u = local_uniform(spec, c, _seed(spec, kwargs))
     return _write(args[0], -torch.log1p(-u) / lambd, spec, c)
+
+
+@register_local_impl([aten.cauchy_.default])
+def _cauchy_(func: Any, args: list[Any], kwargs: dict[str, Any], output_spec: Any) -> torch.Tensor:
+    spec = _spec_of(output_spec)
+    c = local_coordinate(spec)
+    median, sigma = float(_arg(args, kwargs, 1, "median", 0.0)), float(_arg(args, kwargs, 2, "sigma", 1.0))
+    u = local_uniform(spec, c, _seed(spec, kwargs))
+    return _write(args[0], median + sigma * torch.tan(math.pi * (u - 0.5)), spec, c)
+
+
+@register_local_impl([aten.log_normal_.default])
+def _log_normal_(func: Any, args: list[Any], kwargs: dict[str, Any], output_spec: Any) -> torch.Tensor:
+    spec = _spec_of(output_spec)
+    c = local_coordinate(spec)
+    mean, std = float(_arg(args, kwargs, 1, "mean", 1.0)), float(_arg(args, kwargs, 2, "std", 2.0))
+    z = local_normal(spec, c, _seed(spec, kwargs))
+    return _write(args[0], torch.exp(mean + std * z), spec, c)
+
+
+@register_local_impl([aten.geometric_.default])
+def _geometric_(func: Any, args: list[Any], kwargs: dict[str, Any], output_spec: Any) -> torch.Tensor:
+    spec = _spec_of(output_spec)
+    c = local_coordinate(spec)
+    p = float(_arg(args, kwargs, 1, "p", 0.5))
+    u = local_uniform(spec, c, _seed(spec, kwargs))
+    k = torch.ceil(torch.log1p(-u) / math.log1p(-p)) if p < 1 else torch.ones_like(u)
+    return _write(args[0], torch.clamp(k, min=1), spec, c)
 
 
 @register_local_impl([aten.bernoulli_.float, aten.bernoulli_.Tensor])
