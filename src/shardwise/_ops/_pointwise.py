@@ -98,8 +98,11 @@ def _dim_options(schema: OpSchema, out_shape: torch.Size, i: int) -> list[tuple[
 
 def pointwise_strategy(schema: OpSchema) -> OpStrategy:
     out_meta = schema.output_meta()
-    assert isinstance(out_meta, TensorMeta)
-    out_shape = out_meta.shape
+    # several outputs of one elementwise op (frexp: mantissa, exponent) share one layout
+    n_outputs = 1 if isinstance(out_meta, TensorMeta) else len(out_meta)
+    first = out_meta if isinstance(out_meta, TensorMeta) else out_meta[0]
+    assert isinstance(first, TensorMeta)
+    out_shape = first.shape
     dspecs = [a for a in schema.args_schema if isinstance(a, DTensorSpec)]
     extra = len(schema.input_specs()) - len(dspecs)  # DTensors passed by keyword: out= tensors
     mesh_ndim = dspecs[0].mesh.ndim
@@ -110,7 +113,8 @@ def pointwise_strategy(schema: OpSchema) -> OpStrategy:
         ins = [Layout(tuple(need[j] for _, need in combo)) for j in range(len(dspecs))]
         # an out= tensor receives the output: it is asked for the output's layout (the
         # dispatcher writes the result back into the layout it had)
-        strategies.append(PlacementStrategy(Layout(out), tuple(ins) + (Layout(out),) * extra))
+        outs = Layout(out) if n_outputs == 1 else (Layout(out),) * n_outputs
+        strategies.append(PlacementStrategy(outs, tuple(ins) + (Layout(out),) * extra))
     return OpStrategy(strategies)
 
 
