@@ -245,3 +245,11 @@ def test_lookups_keep_shards() -> None:
     assert chosen.input_specs[0] is not None and chosen.input_specs[0].placements != (S1,)  # searched dim whole
     _, chosen = _chosen(aten.isin.Tensor_Tensor, [torch.arange(8), torch.arange(3)], (4,), [S0])
     assert chosen.output_spec.placements == (S0,)
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+@pytest.mark.parametrize("p", [0.0, 1.0, 2.0, float("inf"), float("-inf")])
+def test_dist_keeps_partial_norms_where_they_combine(mesh_shape: tuple[int, ...], p: float) -> None:
+    x, y = torch.randn(7, 5), torch.randn(7, 5)
+    y[0, 0] = x[0, 0]  # a zero difference, so p = 0 counts something less than everything
+    assert check_op(aten.dist.default, (x, y, p), mesh_shape=mesh_shape) > 0

@@ -31,7 +31,7 @@ from ._index import Args, Option, broadcast_shards, combine
 from ._reduction import pieces_fit, reduction_strategy
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
-from ._utils import normalize_dim, replicated_strategy
+from ._utils import expand_to_mesh, normalize_dim, replicated_strategy
 
 __all__: list[str] = []
 
@@ -222,3 +222,17 @@ register_op_strategy([
     aten.put.default, aten.put_.default, aten._pdist_forward.default, aten.block_diag.default,
     aten._trilinear.default,
 ])(_replicated)
+
+
+@register_op_strategy(aten.dist.default)
+def _dist_strategy(schema: OpSchema) -> OpStrategy:
+    """dist(x, y, p) = ||x - y||_p: with x and y split alike, p = 0 or 1 sums local terms
+    (P(sum)); other p need the whole tensors (an inf norm of an empty piece raises)."""
+    x, y = schema.args_schema[0], schema.args_schema[1]
+    assert isinstance(x, DTensorSpec)
+    p = float(schema.arg(2, "p", 2.0))
+    reduce_as = {0.0: Partial("sum"), 1.0: Partial("sum")}.get(p)
+    options: list[tuple[Placement, ...]] = []
+    if reduce_as is not None and isinstance(y, DTensorSpec) and y.shape == x.shape:
+        options = [(reduce_as, Shard(d), Shard(d)) for d in range(x.ndim)]
+    return expand_to_mesh(x.mesh.ndim, options or [(Replicate(), Replicate(), Replicate())])
