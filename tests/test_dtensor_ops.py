@@ -189,15 +189,16 @@ def test_op_without_strategy_falls_back_to_replicated_with_one_warning_or_errors
     x = sw.distribute_tensor(full, mesh, [Shard(0)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        y = torch.cummin(x, 0).values
-        torch.cummin(x, 0)
-    assert len([w for w in caught if "cummin" in str(w.message)]) == 1
+        y = torch._chunk_cat([x], dim=0, num_chunks=2)
+        torch._chunk_cat([x], dim=0, num_chunks=2)
+    assert len([w for w in caught if "_chunk_cat" in str(w.message)]) == 1
     assert y.placements == (Replicate(),)
-    torch.testing.assert_close(y.full_tensor(), torch.cummin(full, 0).values)
+    torch.testing.assert_close(y.full_tensor(), torch._chunk_cat([full], dim=0, num_chunks=2))
     sw.set_strict(True)
     try:
-        with pytest.raises(NotImplementedError, match=r"no sharding strategy for aten\.cummax.*S\(0\)"):
-            torch.cummax(x, 0)
+        with pytest.raises(NotImplementedError, match=r"no sharding strategy for aten\.segment_reduce.*S\(0\)"):
+            with sw.implicit_replication():
+                torch.segment_reduce(x, "sum", lengths=torch.tensor([4, 4]))
     finally:
         sw.set_strict(False)
 

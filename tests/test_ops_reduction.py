@@ -452,3 +452,10 @@ def test_running_statistics_updated_in_place_on_every_rank_match_one_device(mesh
         for k, full in ((0, rm), (1, rv)):
             got = assemble({c: s[k] for c, s in stats.items()}, mesh_shape, layouts[3 + k].placements)
             torch.testing.assert_close(got, full, msg=lambda m: f"{act}: {m}")
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+@pytest.mark.parametrize("op", [torch.ops.aten.cummax.default, torch.ops.aten.cummin.default])
+def test_running_max_min_keep_shards_off_the_scanned_dim(mesh_shape: tuple[int, ...], op: object) -> None:
+    for shape, dim in [((6, 5), 0), ((7, 3), 1), ((3, 1), 0)]:
+        assert check_op(op, (torch.randn(*shape), dim), mesh_shape=mesh_shape) > 0

@@ -49,7 +49,7 @@ from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
-from ._utils import normalize_dim, normalize_dims
+from ._utils import expand_to_mesh, normalize_dim, normalize_dims
 
 __all__ = ["Option", "DimMap", "build_strategy", "reduction_strategy", "pieces_fit"]
 
@@ -321,3 +321,13 @@ def _scan_strategy(schema: OpSchema) -> OpStrategy:
         return opts
 
     return build_strategy(schema, options)
+
+
+@register_op_strategy([aten.cummax.default, aten.cummin.default])
+def _cumulative_extreme_strategy(schema: OpSchema) -> OpStrategy:
+    """Running max/min (values, indices): the scanned dim whole, every other dim split alike."""
+    spec = schema.args_schema[0]
+    assert isinstance(spec, DTensorSpec)
+    dim = normalize_dim(schema.arg(1, "dim"), spec.ndim)
+    options = [(Shard(d), Shard(d), Shard(d)) for d in range(spec.ndim) if d != dim]
+    return expand_to_mesh(spec.mesh.ndim, options, n_outputs=2)
