@@ -157,3 +157,18 @@ def test_cauchy_log_normal_geometric_are_placement_invariant_with_sane_values() 
             assert bool((v > 0).all()) and abs(float(v.log().mean())) < 0.05
         else:
             assert bool((v >= 1).all()) and torch.equal(v, v.round()) and abs(float(v.mean()) - 1 / 0.3) < 0.2
+
+
+@distributed(world_size=4)
+def test_normal_with_tensor_mean_and_std_is_placement_invariant() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    mean, std = seeded(64, 48, seed=3), seeded(48, seed=4).abs() + 0.5
+    results = []
+    for placements in ([Replicate(), Replicate()], [Shard(0), Shard(1)], [Shard(1), Shard(0)]):
+        torch.manual_seed(5)
+        m = sw.distribute_tensor(mean, mesh, placements)
+        s = sw.distribute_tensor(std, mesh, [Replicate(), Replicate()])
+        results.append(torch.normal(m, s).full_tensor())
+    assert all(torch.equal(r, results[0]) for r in results)
+    z = (results[0] - mean) / std
+    assert abs(float(z.mean())) < 0.05 and abs(float(z.std()) - 1) < 0.05

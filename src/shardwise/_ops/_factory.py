@@ -26,6 +26,7 @@ import torch
 
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec
+from ._pointwise import pointwise_strategy
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
 from ._utils import current, replicate
@@ -57,6 +58,7 @@ RANDOM_OPS = [
     aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.bernoulli_.float,
     aten.cauchy_.default, aten.log_normal_.default, aten.geometric_.default, aten.bernoulli_.Tensor, aten.bernoulli.default, aten.bernoulli.p,
     aten.random_.default, aten.random_.to, _RANDOM_FROM, aten.native_dropout.default,
+    aten.normal.Tensor_Tensor,
 ]
 
 
@@ -162,3 +164,9 @@ def native_dropout_strategy(schema: OpSchema) -> OpStrategy:
     keep = PlacementStrategy((current(spec), Layout(tuple(mask), spec.shard_order)), (None,))
     r = replicate(spec.mesh.ndim)
     return OpStrategy([keep, PlacementStrategy((r, r), (r,))])
+
+
+# normal(mean, std) with tensor arguments: elementwise in mean and std (the draws come from the
+# placement-invariant generator at the output's global indices), so it shards like a pointwise op;
+# it is not linear in a Partial mean or std, which the pointwise rules already reduce.
+register_op_strategy(aten.normal.Tensor_Tensor)(pointwise_strategy)

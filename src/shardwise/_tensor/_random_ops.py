@@ -15,6 +15,7 @@ holds, so for one seed every layout gives the same global tensor.
 | `cauchy_(median, sigma)` | median + sigma * tan(pi * (u - 1/2)) |
 | `log_normal_(mean, std)` | exp(mean + std * (Box-Muller normal)) |
 | `geometric_(p)` | ceil(log(1 - u) / log(1 - p)), at least 1 |
+| `normal(mean, std)` (tensors) | mean + std * (Box-Muller normal), broadcast |
 | `random_(from, to)`, `randint_like` | from + floor(u * (to - from)) |
 | `native_dropout(x, p)` | mask = u < 1 - p; out = x * mask / (1 - p) |
 
@@ -176,6 +177,16 @@ def _geometric_(func: Any, args: list[Any], kwargs: dict[str, Any], output_spec:
     u = local_uniform(spec, c, _seed(spec, kwargs))
     k = torch.ceil(torch.log1p(-u) / math.log1p(-p)) if p < 1 else torch.ones_like(u)
     return _write(args[0], torch.clamp(k, min=1), spec, c)
+
+
+@register_local_impl([aten.normal.Tensor_Tensor])
+def _normal_tensors(func: Any, args: list[Any], kwargs: dict[str, Any], output_spec: Any) -> torch.Tensor:
+    spec = _spec_of(output_spec)
+    c = local_coordinate(spec)
+    mean, std = _arg(args, kwargs, 0, "mean", None), _arg(args, kwargs, 1, "std", None)
+    z = local_normal(spec, c, _seed(spec, kwargs)).to(spec.dtype)
+    out: torch.Tensor = mean + std * z  # the strategy gives mean and std this rank's piece (or broadcast)
+    return out
 
 
 @register_local_impl([aten.bernoulli_.float, aten.bernoulli_.Tensor])
