@@ -37,7 +37,7 @@ from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy, ScalarTensor
 from ._utils import normalize_dim
 
-__all__ = ["Args", "Option", "combine", "broadcast_shards"]
+__all__ = ["Args", "Option", "combine", "broadcast_shards", "scatter_options"]
 
 aten = torch.ops.aten
 R = Replicate()
@@ -226,6 +226,24 @@ def _fill_keeps(value: Any) -> tuple[str, ...]:
     return ("sum", "avg", "max", "min") if _is_zero(value) else ("avg", "max", "min")
 
 
+def scatter_options(a: Args, i: int, dim: int, joint: tuple[str, ...], alone: tuple[str, ...]) -> list[Option]:
+    """Scatter-family options on mesh dim i: self, index and src split alike off `dim` (where
+    their sizes agree), and the Partials self keeps jointly with src or alone."""
+    me, index, src = a.need("self"), a.spec("index"), a.spec("src")
+    opts: list[Option] = []
+    if index is not None and index.ndim == me.ndim:
+        for d in range(me.ndim):
+            same = index.shape[d] == me.shape[d] and (src is None or src.shape[d] == me.shape[d])
+            if d != dim and same:
+                opts.append(a.opt((Shard(d),), {"self": Shard(d), "index": Shard(d), "src": Shard(d)}))
+    p = a.partial("self", i)
+    if p is not None and p.reduce_op in joint and src is not None:
+        opts.append(a.opt((p,), {"self": p, "src": p}))
+    if p is not None and p.reduce_op in alone:
+        opts.append(a.opt((p,), {"self": p}))
+    return opts
+
+
 @register_op_strategy(_SCATTER_SRC + _SCATTER_VALUE + _SCATTER_ADD + _SCATTER_REDUCE)
 def _scatter_strategy(schema: OpSchema) -> OpStrategy:
     a = Args(schema)
@@ -253,17 +271,8 @@ def _scatter_strategy(schema: OpSchema) -> OpStrategy:
         split_src = ()
     per_dim = []
     for i in range(a.mesh_ndim):
-        opts = []
-        if index is not None and index.ndim == me.ndim:
-            for d in range(me.ndim):
-                same = index.shape[d] == me.shape[d] and (src is None or src.shape[d] == me.shape[d])
-                if d != dim and same:
-                    opts.append(a.opt((Shard(d),), {"self": Shard(d), "index": Shard(d), "src": Shard(d)}))
+        opts = scatter_options(a, i, dim, joint, alone)
         p = a.partial("self", i)
-        if p is not None and p.reduce_op in joint and src is not None:
-            opts.append(a.opt((p,), {"self": p, "src": p}))
-        if p is not None and p.reduce_op in alone:
-            opts.append(a.opt((p,), {"self": p}))
         if (p is not None and p.reduce_op in split_src and index is not None and src is not None
                 and me.ndim and index.shape[dim] == src.shape[dim]):
             opts.append(a.opt((p,), {"self": p, "index": Shard(dim), "src": Shard(dim)}))

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .._placement import Shard
-from ._index import Args, Option, broadcast_shards, combine
+from ._index import Args, Option, broadcast_shards, combine, scatter_options
 from ._nn import without_empty_pieces
 from ._norm import _softmax_strategy
 from ._pointwise import pointwise_strategy
@@ -182,7 +182,7 @@ _SCATTER_REDUCE_VALUE = [aten.scatter.value_reduce, aten.scatter_.value_reduce]
 def _scatter_reduce_mode_strategy(schema: OpSchema) -> OpStrategy:
     """scatter with reduce="add" / "multiply": index positions along `dim` are global."""
     a = Args(schema)
-    me, index, src = a.need("self"), a.spec("index"), a.spec("src")
+    me = a.need("self")
     dim = normalize_dim(schema.arg(1, "dim"), me.ndim)
     mode = str(schema.arg(4, "reduce"))
     if schema.op in _SCATTER_REDUCE_SRC:
@@ -192,20 +192,7 @@ def _scatter_reduce_mode_strategy(schema: OpSchema) -> OpStrategy:
         joint = ()
         # multiplying by a constant is linear; adding it is right once per term only for avg
         alone = ("avg",) if mode == "add" else _LINEAR
-    per_dim: list[list[Option]] = []
-    for i in range(a.mesh_ndim):
-        opts: list[Option] = []
-        if index is not None and index.ndim == me.ndim:
-            for d in range(me.ndim):
-                same = index.shape[d] == me.shape[d] and (src is None or src.shape[d] == me.shape[d])
-                if d != dim and same:
-                    opts.append(a.opt((Shard(d),), {"self": Shard(d), "index": Shard(d), "src": Shard(d)}))
-        p = a.partial("self", i)
-        if p is not None and p.reduce_op in joint and src is not None:
-            opts.append(a.opt((p,), {"self": p, "src": p}))
-        if p is not None and p.reduce_op in alone:
-            opts.append(a.opt((p,), {"self": p}))
-        per_dim.append(opts)
+    per_dim = [scatter_options(a, i, dim, joint, alone) for i in range(a.mesh_ndim)]
     return combine(a, per_dim)
 
 
