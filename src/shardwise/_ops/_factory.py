@@ -29,7 +29,7 @@ from .._spec import DTensorSpec
 from ._pointwise import pointwise_strategy
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
-from ._utils import current, replicate
+from ._utils import current, input_spec, replicate
 
 __all__ = ["LIKE_OPS", "NEW_OPS", "INPLACE_FILL_OPS", "RANDOM_OPS"]
 
@@ -62,13 +62,6 @@ RANDOM_OPS = [
 ]
 
 
-def _self(schema: OpSchema) -> DTensorSpec:
-    spec = schema.args_schema[0]
-    if not isinstance(spec, DTensorSpec):
-        raise TypeError(f"{schema.op} expects a DTensor as its first argument, got {type(spec).__name__}")
-    return spec
-
-
 def _without_partial(spec: DTensorSpec) -> Layout:
     """The spec's layout with every Partial mesh dim turned Replicate (split order kept)."""
     return Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements), spec.shard_order)
@@ -82,13 +75,13 @@ def _others_replicated(schema: OpSchema, first: Optional[Layout]) -> tuple[Optio
 
 @register_op_strategy(_ZERO_LIKE)
 def zero_like_strategy(schema: OpSchema) -> OpStrategy:
-    spec = _self(schema)
+    spec = input_spec(schema)
     return OpStrategy([PlacementStrategy(current(spec), _others_replicated(schema, None))])
 
 
 @register_op_strategy(_VALUE_LIKE)
 def value_like_strategy(schema: OpSchema) -> OpStrategy:
-    spec = _self(schema)
+    spec = input_spec(schema)
     return OpStrategy([PlacementStrategy(_without_partial(spec), _others_replicated(schema, None))])
 
 
@@ -96,7 +89,7 @@ def value_like_strategy(schema: OpSchema) -> OpStrategy:
 def new_factory_strategy(schema: OpSchema) -> OpStrategy:
     """Same shape as self: follow self (each rank allocates its piece, the size argument is
     rewritten to the local shape); any other shape: Replicate."""
-    spec = _self(schema)
+    spec = input_spec(schema)
     size = tuple(schema.arg(1, "size", ()))
     if size != tuple(spec.shape):
         return OpStrategy([PlacementStrategy(replicate(spec.mesh.ndim), (None,))])
@@ -112,14 +105,14 @@ def new_empty_strided_strategy(schema: OpSchema) -> OpStrategy:
 
 @register_op_strategy(INPLACE_FILL_OPS)
 def inplace_fill_strategy(schema: OpSchema) -> OpStrategy:
-    spec = _self(schema)
+    spec = input_spec(schema)
     return OpStrategy([PlacementStrategy(current(spec), _others_replicated(schema, None))])
 
 
 @register_op_strategy(aten.bernoulli.default)
 def bernoulli_strategy(schema: OpSchema) -> OpStrategy:
     """bernoulli(probs): shards pass through, Partial probabilities are reduced first."""
-    lay = _without_partial(_self(schema))
+    lay = _without_partial(input_spec(schema))
     return OpStrategy([PlacementStrategy(lay, (lay,))])
 
 
@@ -142,7 +135,7 @@ def _follow(self_spec: DTensorSpec, other: DTensorSpec) -> Layout:
 @register_op_strategy(aten.bernoulli_.Tensor)
 def bernoulli_tensor_strategy(schema: OpSchema) -> OpStrategy:
     """bernoulli_(self, p): self keeps its layout, the probabilities follow self's shards."""
-    spec = _self(schema)
+    spec = input_spec(schema)
     p = schema.arg(1, "p")
     ins: tuple[Optional[Layout], ...] = (None,)
     if isinstance(p, DTensorSpec):
@@ -155,7 +148,7 @@ def native_dropout_strategy(schema: OpSchema) -> OpStrategy:
     """Per mesh dim: a shard gives shards of output and mask; a Partial stays Partial in the
     output (scaling by a nonnegative mask is linear and monotone) with the mask replicated.
     Also offered: everything replicated (Partial reduced first)."""
-    spec = _self(schema)
+    spec = input_spec(schema)
     out: list[Placement] = []
     mask: list[Placement] = []
     for p in spec.placements:

@@ -8,9 +8,10 @@ from typing import Optional
 
 from .._placement import Placement, Replicate, Shard
 from .._spec import DTensorSpec
-from ._schema import Layout, OpStrategy, PlacementStrategy
+from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
 
 __all__ = [
+    "input_spec",
     "replicate",
     "current",
     "expand_to_mesh",
@@ -19,6 +20,14 @@ __all__ = [
     "normalize_dims",
     "replicated_strategy",
 ]
+
+
+def input_spec(schema: OpSchema) -> DTensorSpec:
+    """The spec of the op's first argument, which must be a DTensor."""
+    spec = schema.args_schema[0]
+    if not isinstance(spec, DTensorSpec):
+        raise TypeError(f"{schema.op} expects a DTensor as its first argument, got {type(spec).__name__}")
+    return spec
 
 
 def replicate(mesh_ndim: int) -> Layout:

@@ -29,7 +29,7 @@ from .._placement import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
-from ._utils import normalize_dim
+from ._utils import input_spec, normalize_dim
 
 __all__ = [
     "ANY_REDUCE",
@@ -53,13 +53,6 @@ LINEAR: frozenset[str] = frozenset(("sum", "avg"))
 
 # Whether a candidate's sharding is exact: {tensor dim: splitting mesh dims, outermost first}.
 ShardCheck = Callable[[Mapping[int, tuple[int, ...]]], bool]
-
-
-def input_spec(schema: OpSchema) -> DTensorSpec:
-    spec = schema.args_schema[0]
-    if not isinstance(spec, DTensorSpec):
-        raise TypeError(f"{schema.op} expects a DTensor as its first argument, got {type(spec).__name__}")
-    return spec
 
 
 def out_meta(schema: OpSchema) -> TensorMeta:
