@@ -104,6 +104,46 @@ def test_in_place_op_on_a_partial_self_is_written_back_into_its_layout() -> None
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
 @distributed(world_size=4)
+def test_in_place_view_ops_give_self_the_new_shape_and_layout(mesh_shape: tuple[int, ...]) -> None:
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    full = seeded(5, 1, 6)
+    nd = len(mesh_shape)
+    for placements in [(Shard(0),) * nd, (Shard(2),) + (Replicate(),) * (nd - 1), (Replicate(),) * nd]:
+        x = sw.distribute_tensor(full, mesh, placements)
+        want = full.clone()
+        for step in [
+            lambda t: t.squeeze_(1), lambda t: t.transpose_(0, 1), lambda t: t.unsqueeze_(2), lambda t: t.t_()
+            if t.ndim == 2 else t.squeeze_(2), lambda t: t.resize_(10, 3),
+        ]:
+            out, want = step(x), step(want)
+            assert out is x and x.shape == want.shape and x.stride() == want.stride()
+            torch.testing.assert_close(x.full_tensor(), want)
+            assert x.to_local().shape == expected_piece(want, mesh.shape, x.placements, mesh.get_coordinate()).shape
+    x = sw.distribute_tensor(seeded(4, 4), mesh, [Shard(0)] * nd)
+    with pytest.raises(ValueError, match=r"resize_.*grow a DTensor from shape \(4, 4\) to \(8, 4\)"):
+        x.resize_(8, 4)
+
+
+@distributed(world_size=4)
+def test_ops_without_a_strategy_run_as_their_decomposition_and_one_element_tensors_count_as_replicated() -> None:
+    mesh = sw.init_device_mesh("cpu", (4,))
+    full = seeded(8, 6)
+    x = sw.distribute_tensor(full, mesh, [Shard(0)])
+    sw.set_strict(True)  # no op may fall back
+    try:
+        # _chunk_cat has no strategy; PyTorch's decomposition of it (views + cat) runs sharded
+        y = torch._chunk_cat([x, x * 2], dim=1, num_chunks=2)
+        torch.testing.assert_close(y.full_tensor(), torch._chunk_cat([full, full * 2], dim=1, num_chunks=2))
+        assert y.placements == (Shard(0),)
+        # a one-element plain tensor is a scalar in a tensor's clothes, as in torch's DTensor
+        z = x * torch.tensor([2.0])
+        torch.testing.assert_close(z.full_tensor(), full * 2)
+    finally:
+        sw.set_strict(False)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+@distributed(world_size=4)
 def test_gradients_through_from_local_ops_redistribute_full_tensor_match_single_device(mesh_shape: tuple[int, ...]) -> None:
     mesh = sw.init_device_mesh("cpu", mesh_shape)
     x_full, w_full, b_full = seeded(10, 6, seed=9), seeded(6, 4, seed=10), seeded(4, seed=11)
@@ -187,18 +227,19 @@ def test_op_without_strategy_falls_back_to_replicated_with_one_warning_or_errors
     mesh = sw.init_device_mesh("cpu", (4,))
     full = seeded(8, 8)
     x = sw.distribute_tensor(full, mesh, [Shard(0)])
+    lengths = sw.distribute_tensor(torch.tensor([4, 4]), mesh, [Replicate()])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        y = torch._chunk_cat([x], dim=0, num_chunks=2)
-        torch._chunk_cat([x], dim=0, num_chunks=2)
-    assert len([w for w in caught if "_chunk_cat" in str(w.message)]) == 1
+        y = torch.segment_reduce(x, "sum", lengths=lengths)
+        torch.segment_reduce(x, "sum", lengths=lengths)
+    assert len([w for w in caught if "segment_reduce" in str(w.message)]) == 1
     assert y.placements == (Replicate(),)
-    torch.testing.assert_close(y.full_tensor(), torch._chunk_cat([full], dim=0, num_chunks=2))
+    torch.testing.assert_close(y.full_tensor(), torch.segment_reduce(full, "sum", lengths=torch.tensor([4, 4])))
     sw.set_strict(True)
     try:
-        with pytest.raises(NotImplementedError, match=r"no sharding strategy for aten\.segment_reduce.*S\(0\)"):
-            with sw.implicit_replication():
-                torch.segment_reduce(x, "sum", lengths=torch.tensor([4, 4]))
+        with pytest.raises(NotImplementedError, match=r"no sharding strategy for aten\.segment_reduce.*S\(1\)"):
+            with sw.implicit_replication():  # a layout not seen yet (plans are cached per layout)
+                torch.segment_reduce(x.redistribute(mesh, [Shard(1)]), "sum", lengths=torch.tensor([4, 4]))
     finally:
         sw.set_strict(False)
 

@@ -202,6 +202,27 @@ def test_embedding_layouts_run_without_gathering() -> None:
     assert no_moves(got) and got.output_spec.placements == (Shard(1),)
 
 
+@pytest.mark.parametrize("mesh_shape", MESHES)
+@pytest.mark.parametrize("mode", [0, 1, 2])  # sum, mean, max
+@pytest.mark.parametrize("dim", [8, 6])  # 6 columns on 4 ranks: an empty piece, which the kernel rejects
+def test_embedding_bag_forward_and_backward(mesh_shape: tuple[int, ...], mode: int, dim: int) -> None:
+    w, ids, offsets = randn(10, dim, seed=5), randint(10, 8, seed=6), torch.tensor([0, 3, 3, 5])
+    n = len(mesh_shape)
+    splits = not (dim == 6 and mesh_shape == (4,))
+    split = [(Shard(1),) * n] + [(R,) * n] * 4
+    for op in (aten._embedding_bag.default, aten._embedding_bag_forward_only.default):
+        ran = check_nn(op, (w, ids, offsets, False, mode), mesh_shape=mesh_shape, layouts=[split[:3]])
+        assert ran == (2 ** n if splits else 1)
+    out, offset2bag, bag_size, max_ix = aten._embedding_bag.default(w, ids, offsets, False, mode)
+    args = (randn(*out.shape, seed=7), ids, offsets, offset2bag, bag_size, max_ix, 10, False, mode, False, None)
+    split = split[:1] + [(R,) * n] * 5
+    ran = check_nn(aten._embedding_bag_backward.default, args, mesh_shape=mesh_shape, layouts=[split])
+    assert ran == (2 ** n if splits else 1)
+    got = pick(aten._embedding_bag.default, (w, ids, offsets, False, mode), split[:3], mesh_shape)
+    # a column-split table stays split (where every rank holds a column)
+    assert no_moves(got) == splits and got.output_spec[0].placements == (split[0] if splits else (R,) * n)
+
+
 def test_masked_candidates_need_the_tensor_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     # without the masked local computation a vocab-split lookup would silently read the
     # wrong rows: the strategy must not offer it

@@ -191,7 +191,6 @@ def test_upsample_backward_rewrites_the_input_size_per_rank() -> None:
 
 def test_the_fallback_examples_still_have_no_strategy() -> None:
     # tests/test_dtensor_ops.py uses these as its examples of ops without a strategy
-    assert get_op_strategy(aten._chunk_cat.default) is None
     assert get_op_strategy(aten.segment_reduce.default) is None
 
 

@@ -79,6 +79,13 @@ CASES: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("squeeze_dim_noop_pieces_of_one", aten.squeeze.dim, (t(4, 6), 0)),
     ("squeeze_dims", aten.squeeze.dims, (t(4, 1, 1), [1, 2])),
     ("squeeze_dims_mixed", aten.squeeze.dims, (t(4, 1, 3), [0, 1])),
+    # in place: self takes the result's layout (the tensor layer re-lays it out)
+    ("squeeze_inplace_all", aten.squeeze_.default, (t(5, 1, 3),)),
+    ("squeeze_inplace_dim", aten.squeeze_.dim, (t(4, 1, 6), 1)),
+    ("squeeze_inplace_dims", aten.squeeze_.dims, (t(4, 1, 1), [1, 2])),
+    ("unsqueeze_inplace", aten.unsqueeze_.default, (t(5, 6), 1)),
+    ("transpose_inplace", aten.transpose_.default, (t(4, 6, 3), 0, 2)),
+    ("t_inplace", aten.t_.default, (t(5, 6),)),
     # picking elements
     ("slice", aten.slice.Tensor, (t(8, 6), 0, 1, 7)),
     ("slice_step", aten.slice.Tensor, (t(5, 6), 1, 0, 6, 2)),

@@ -41,8 +41,8 @@ from .._spec import TensorMeta
 from ._schema import OpSchema, OpStrategy, StrategyType
 from ._shape import unbind_strategy, unfold_strategy
 from ._utils import normalize_dim
-from ._view import input_spec, local_sizes, out_meta, single_input_strategy
-from ._view import permute_strategy, transpose_strategy, unsqueeze_strategy, view_strategy
+from ._view import input_spec, out_meta, single_input_strategy
+from ._view import permute_strategy, squeeze_strategy, transpose_strategy, unsqueeze_strategy, view_strategy
 
 __all__: list[str] = []
 
@@ -77,14 +77,7 @@ def _t_copy_strategy(schema: OpSchema) -> StrategyType:
 
 @register_op_strategy(aten.transpose_copy.int)
 def _transpose_copy_strategy(schema: OpSchema) -> StrategyType:
-    spec = input_spec(schema)
-    ndim = spec.ndim
-    perm = list(range(ndim))
-    if ndim >= 2:
-        d0 = normalize_dim(schema.arg(1, "dim0"), ndim)
-        d1 = normalize_dim(schema.arg(2, "dim1"), ndim)
-        perm[d0], perm[d1] = perm[d1], perm[d0]
-    return single_input_strategy(spec, {d: k for k, d in enumerate(perm)})
+    return transpose_strategy(schema)
 
 
 @register_op_strategy(aten.permute_copy.default)
@@ -99,22 +92,7 @@ def _unsqueeze_copy_strategy(schema: OpSchema) -> StrategyType:
 
 @register_op_strategy([aten.squeeze_copy.default, aten.squeeze_copy.dim, aten.squeeze_copy.dims])
 def _squeeze_copy_strategy(schema: OpSchema) -> StrategyType:
-    """As squeeze: the local op removes every local size-1 dim it may touch, so such a dim
-    must not be split where some rank's piece of it has size 1."""
-    spec = input_spec(schema)
-    shape, mesh_shape = spec.shape, spec.mesh.shape
-    if schema.op is aten.squeeze_copy.default:
-        candidates: tuple[int, ...] = tuple(range(spec.ndim))
-    else:
-        dims = schema.arg(1, "dim")
-        candidates = tuple(normalize_dim(d, spec.ndim) for d in ([dims] if isinstance(dims, int) else dims))
-    kept = [d for d in range(spec.ndim) if not (d in candidates and shape[d] == 1)]
-
-    def exact(orders: Mapping[int, tuple[int, ...]]) -> bool:
-        return not any(d in candidates and any(n == 1 for _, n in local_sizes(shape[d], mesh_shape, ms))
-                       for d, ms in orders.items())
-
-    return single_input_strategy(spec, {d: k for k, d in enumerate(kept)}, check=exact)
+    return squeeze_strategy(schema)
 
 
 @register_op_strategy(aten.unbind_copy.int)

@@ -35,6 +35,7 @@ import torch
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
 from ._index import Args, Option, broadcast_shards, combine
+from ._reduction import pieces_fit
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy
 
@@ -158,6 +159,40 @@ def embedding_backward_local(
     local = torch.where(inside, ids - start, n)
     pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + n else -1
     return func(grad, local, n + 1, pad, by_freq)[:n]  # type: ignore[no-any-return]
+
+
+# -- embedding_bag -----------------------------------------------------------------------------
+# Outputs (out, offset2bag, bag_size, max_indices): with the weight split by columns each
+# rank pools its columns of every bag; which rows a bag reads, and its max row per column,
+# do not depend on the split, so the index outputs come out the same on every rank (max
+# mode's max_indices is per column: split like the output).
+
+_EMBEDDING_BAGS = [aten._embedding_bag.default, aten._embedding_bag_forward_only.default]
+
+
+@register_op_strategy(_EMBEDDING_BAGS)
+def _embedding_bag_strategy(schema: OpSchema) -> OpStrategy:
+    a = Args(schema)
+    per_column = len(schema.output_meta()[3].shape) == 2
+    out = (Shard(1), R, R, Shard(1) if per_column else R)
+    return _columns_fit(a, "weight", combine(a, [[a.opt(out, {"weight": Shard(1)})]] * a.mesh_ndim, n_outputs=4))
+
+
+@register_op_strategy([aten._embedding_bag_backward.default, aten._embedding_bag_dense_backward.default])
+def _embedding_bag_backward_strategy(schema: OpSchema) -> OpStrategy:
+    a = Args(schema)
+    per_column = a.need("maximum_indices").ndim == 2
+    ins = {"grad": Shard(1), "maximum_indices": Shard(1)} if per_column else {"grad": Shard(1)}
+    return _columns_fit(a, "grad", combine(a, [[a.opt((Shard(1),), ins)]] * a.mesh_ndim))
+
+
+def _columns_fit(a: Args, name: str, strategy: OpStrategy) -> OpStrategy:
+    """The CPU embedding_bag kernels fail on a rank holding no columns: no such candidate."""
+    spec, k = a.need(name), a.pos(name)
+    assert k is not None
+    kept = [c for c in strategy.strategies
+            if (lay := c.input_specs[k]) is None or pieces_fit(spec, lay, [1], nonempty=True, even=False)]
+    return OpStrategy(kept)
 
 
 # -- nll_loss ----------------------------------------------------------------------------------

@@ -190,13 +190,23 @@ _BATCH_NORMS: dict[torch._ops.OpOverload, tuple[object, tuple[int, ...], int]] =
     aten._native_batch_norm_legit.no_stats: (3, (), 3),
     aten._native_batch_norm_legit_functional.default: (5, (3, 4), 5),
     aten._native_batch_norm_legit_no_training.default: (False, (3, 4), 3),
+    # the newer pair: outputs out, save_mean, save_invstd, reserve (empty on CPU)
+    aten._batch_norm_with_update.default: (True, (3, 4), 4),
+    aten._batch_norm_with_update_functional.default: (True, (3, 4), 6),
+    aten._batch_norm_no_update.default: (False, (3, 4), 4),
 }
+# these return new running statistics instead of updating them in place
+_FUNCTIONAL = {aten._native_batch_norm_legit_functional.default, aten._batch_norm_with_update_functional.default}
 
 
 @register_op_strategy(list(_BATCH_NORMS))
 def _batch_norm_strategy(schema: OpSchema) -> OpStrategy:
     training_at, stats, n_out = _BATCH_NORMS[schema.op]
-    training = bool(schema.arg(training_at, "training")) if isinstance(training_at, int) else False
+    if isinstance(training_at, bool):
+        training = training_at
+    else:
+        assert isinstance(training_at, int)
+        training = bool(schema.arg(training_at, "training"))
     spec = _spec(schema, 0)
     positions = _tensor_positions(schema)
     per_channel = {k: _channel_map for k in positions if k != 0}
@@ -205,7 +215,7 @@ def _batch_norm_strategy(schema: OpSchema) -> OpStrategy:
     channels = _row(positions, [Shard(1)] + [Shard(0)] * (n_out - 1),
                     {k: Shard(1) if k == 0 else Shard(0) for k in positions})
     # in place: running stats are updated where they live, so they may not move
-    in_place = training and schema.op is not aten._native_batch_norm_legit_functional.default
+    in_place = training and schema.op not in _FUNCTIONAL
     held = [k for k in stats if k in positions] if in_place else []
 
     def options(i: int) -> list[Option]:
@@ -253,12 +263,13 @@ def _stats_error(schema: OpSchema, held: Sequence[int]) -> ValueError:
     )
 
 
-@register_op_strategy(aten.native_batch_norm_backward.default)
+@register_op_strategy([aten.native_batch_norm_backward.default, aten.batch_norm_backward.default])
 def _batch_norm_backward_strategy(schema: OpSchema) -> OpStrategy:
-    # (grad_out, input, weight?, running_mean?, running_var?, save_mean?, save_invstd?, train, eps, mask[3])
+    # (grad_out, input, weight?, running_mean?, running_var?, save_mean?, save_invstd?, train, eps, mask[3]
+    #  (, reserve))
     spec = _spec(schema, 1)
     positions = _tensor_positions(schema)
-    train = bool(schema.arg(7, "train"))
+    train = bool(schema.arg(7, "train" if schema.op is aten.native_batch_norm_backward.default else "update"))
     mask = schema.arg(9, "output_mask")
     activations = (0, 1)
     maps = _maps(positions, {k: _channel_map for k in positions if k not in activations}, 0, _same)

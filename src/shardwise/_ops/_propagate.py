@@ -26,7 +26,7 @@ from .._spec import DTensorSpec, TensorMeta
 from ._registry import get_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, OutputSharding, PlacementStrategy, StrategyType, TupleStrategy
 
-__all__ = ["propagate", "set_strict", "is_strict", "redistribute_cost", "strategy_calls"]
+__all__ = ["RELAYOUT_OPS", "REPLICATED_OPS", "propagate", "set_strict", "is_strict", "redistribute_cost", "strategy_calls"]
 
 _CACHE: dict[OpSchema, OutputSharding] = {}
 
@@ -45,6 +45,20 @@ REPLICATED_OPS = frozenset({
     aten.hash_tensor.default, aten.linspace.Tensor_Scalar, aten.linspace.Tensor_Tensor,
     aten.linspace.Scalar_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Tensor_Tensor,
     aten.logspace.Scalar_Tensor,
+    # defined on the storage of a contiguous tensor, not on its elements: only the whole
+    # tensor has that storage
+    aten.as_strided.default, aten.as_strided_.default, aten.as_strided_copy.default,
+    aten.as_strided_scatter.default, aten.resize_.default, aten.resize_as_.default,
+    # draws from torch's generator in an order tied to the whole tensor: every rank makes the
+    # same draws (ranks share torch's RNG state), which equal the single-device ones
+    aten.multinomial.default, aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default,
+})
+# In-place ops that change self's shape or layout (squeeze_, transpose_, resize_): self takes
+# the output's layout instead of having the result moved back into its own.
+RELAYOUT_OPS = frozenset({
+    aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default,
+    aten.transpose_.default, aten.t_.default, aten.as_strided_.default, aten.resize_.default,
+    aten.resize_as_.default,
 })
 _WARNED: set[Any] = set()
 _STRICT = [os.environ.get("SHARDWISE_STRICT", "") not in ("", "0")]
@@ -110,7 +124,7 @@ def _memory(strategy: PlacementStrategy, specs: list[DTensorSpec], out_meta: Any
 
 def _writeback_cost(schema: OpSchema, candidate: PlacementStrategy) -> float:
     """In-place ops: the cost of moving the result back into self's layout, if it differs."""
-    if not schema.is_inplace() or not isinstance(schema.args_schema[0], DTensorSpec):
+    if not schema.is_inplace() or not isinstance(schema.args_schema[0], DTensorSpec) or schema.op in RELAYOUT_OPS:
         return 0.0
     me, out = schema.args_schema[0], candidate.output_specs
     if not isinstance(out, Layout) or (out.placements == me.placements and out.shard_order == me.shard_order):

@@ -134,10 +134,13 @@ _UNSET = object()
 def _fix_meta(schema: OpSchema, meta: Any) -> Any:
     """Correct the meta kernels that disagree with the CPU kernels.
 
-    native_batch_norm in eval mode: the meta kernel describes save_mean/save_invstd as (C,),
+    native_batch_norm (and _native_batch_norm_legit) in eval mode: the meta kernel describes save_mean/save_invstd as (C,),
     the CPU kernel returns them empty (0,).
     """
-    if schema.op is torch.ops.aten.native_batch_norm.default and not schema.arg(5, "training", True):
+    aten = torch.ops.aten
+    if schema.op in (aten.native_batch_norm.default, aten._native_batch_norm_legit.default) and not schema.arg(
+        5, "training", True
+    ):
         empty = TensorMeta(torch.Size([0]), (1,), meta[1].dtype)
         return (meta[0], empty, empty)
     return meta

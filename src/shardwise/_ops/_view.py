@@ -243,12 +243,16 @@ def permute_strategy(schema: OpSchema) -> OpStrategy:
     return _permutation(schema, [normalize_dim(d, ndim) for d in schema.arg(1, "dims")])
 
 
-@register_op_strategy([aten.transpose.int, aten.t.default])
+# transposes that name their two dims (t and t_ swap dims 0 and 1)
+_TRANSPOSE_DIMS = {aten.transpose.int, aten.transpose_.default, aten.transpose_copy.int}
+
+
+@register_op_strategy([aten.transpose.int, aten.t.default, aten.transpose_.default, aten.t_.default])
 def transpose_strategy(schema: OpSchema) -> OpStrategy:
     ndim = input_spec(schema).ndim
     perm = list(range(ndim))
     if ndim >= 2:
-        d0, d1 = (schema.arg(1, "dim0"), schema.arg(2, "dim1")) if schema.op is aten.transpose.int else (0, 1)
+        d0, d1 = (schema.arg(1, "dim0"), schema.arg(2, "dim1")) if schema.op in _TRANSPOSE_DIMS else (0, 1)
         d0, d1 = normalize_dim(d0, ndim), normalize_dim(d1, ndim)
         perm[d0], perm[d1] = perm[d1], perm[d0]
     return _permutation(schema, perm)
@@ -262,7 +266,7 @@ def alias_strategy(schema: OpSchema) -> OpStrategy:
 # -- size-1 dims -------------------------------------------------------------------------
 
 
-@register_op_strategy(aten.unsqueeze.default)
+@register_op_strategy([aten.unsqueeze.default, aten.unsqueeze_.default])
 def unsqueeze_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     new = normalize_dim(schema.arg(1, "dim"), spec.ndim + 1)
@@ -271,13 +275,16 @@ def unsqueeze_strategy(schema: OpSchema) -> OpStrategy:
 
 def _squeezed(schema: OpSchema, ndim: int) -> tuple[int, ...]:
     """The dims the op may squeeze (it removes those of global size 1)."""
-    if schema.op is aten.squeeze.default:
-        return tuple(range(ndim))
+    if ndim == 0 or schema.op in (aten.squeeze.default, aten.squeeze_.default, aten.squeeze_copy.default):
+        return tuple(range(ndim))  # a 0-dim tensor accepts dim 0 or -1 and stays as it is
     dims: Any = schema.arg(1, "dim")
     return tuple(normalize_dim(d, ndim) for d in ([dims] if isinstance(dims, int) else dims))
 
 
-@register_op_strategy([aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims])
+@register_op_strategy([
+    aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims,
+])
 def squeeze_strategy(schema: OpSchema) -> OpStrategy:
     """Squeeze runs locally, where it removes every *local* size-1 dim it may touch: a split
     dim whose piece is 1 on some rank (4 rows on 4 ranks) must not be split then."""

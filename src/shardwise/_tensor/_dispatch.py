@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 import torch
+from torch._decomp import decomposition_table
 
 from .._layout import contiguous_strides
 from .._mesh import DeviceMesh
 from .._placement import Replicate
 from .._spec import DTensorSpec, TensorMeta
-from .._ops import OpSchema, ScalarTensor, propagate
+from .._ops import RELAYOUT_OPS, REPLICATED_OPS, OpSchema, ScalarTensor, get_op_strategy, propagate
 from ._redistribute import redistribute_local
 
 __all__ = ["dispatch", "implicit_replication", "register_local_impl"]
@@ -62,7 +64,8 @@ def implicit_replication() -> Iterator[None]:
 
     Use it for tensors that really are the same on every rank (a mask, a position table);
     outside it, mixing them is an error, because a rank-local tensor would be silently
-    treated as global.
+    treated as global. One-element tensors (shape `()`, `(1,)`, `(1, 1)`) always count as
+    replicated, as scalars do.
     """
     token = _IMPLICIT.set(True)
     try:
@@ -80,7 +83,7 @@ class _Plan:
 
     __slots__ = (
         "moves", "simple", "outputs", "single", "shape_arg", "local_shape", "writebacks", "returns", "impl",
-        "resolve", "dynamic_mesh", "impl_specs",
+        "resolve", "dynamic_mesh", "impl_specs", "relayout", "decompose",
     )
 
     def __init__(self) -> None:
@@ -96,6 +99,8 @@ class _Plan:
         self.impl_specs: Optional[tuple[DTensorSpec, ...]] = None  # input specs for impls that ask
         self.resolve = False  # the local op returns a lazy conj/neg view: materialize it
         self.dynamic_mesh: Optional[DeviceMesh] = None  # outputs described after the run (replicated)
+        self.relayout = False  # an in-place op that gives self a new shape or layout (squeeze_)
+        self.decompose: Optional[Callable[..., Any]] = None  # run as PyTorch's decomposition of the op
 
 
 # Keyed by (op, one entry per argument, kwargs): a DTensor contributes its spec (hashed
@@ -122,7 +127,7 @@ def _key_part(a: Any, func: Any) -> Any:
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:
             return ScalarTensor(a.dtype, a.device.type)
-        if _IMPLICIT.get():
+        if _IMPLICIT.get() or a.numel() == 1:  # one element: a scalar in a tensor's clothes
             return ("plain", a.shape, a.dtype, a.device.type)
         raise _plain_error(func, a)
     if isinstance(a, (list, tuple)):
@@ -168,7 +173,29 @@ def _first_mesh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Devic
     return None
 
 
+def _decomposition(func: Any) -> Optional[Callable[..., Any]]:
+    """PyTorch's decomposition of an op that has no strategy and writes none of its arguments:
+    its pieces have strategies, so it runs sharded instead of gathered."""
+    if get_op_strategy(func) is not None or func in REPLICATED_OPS:
+        return None
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        return None
+    return decomposition_table.get(func)
+
+
+def _run_decomposition(decompose: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # Tensors a decomposition creates come from global shapes and scalars: the same on
+    # every rank, so they count as replicated.
+    with implicit_replication():
+        return decompose(*args, **kwargs)
+
+
 def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan:
+    decompose = _decomposition(func)
+    if decompose is not None:
+        plan = _Plan()
+        plan.decompose = decompose
+        return plan
     mesh = _first_mesh(args, kwargs)
     schema = OpSchema(
         func,
@@ -196,10 +223,17 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pla
     plan.resolve = func in _LAZY_VIEWS
     if result.dynamic:
         plan.dynamic_mesh = mesh
-    _check_inplace_shape(func, args, result.output_spec)
     written = _written_args(func, args, kwargs)
+    plan.relayout = func in RELAYOUT_OPS and bool(args) and isinstance(args[0], DTensor)
+    if plan.relayout:
+        _check_growth(func, args[0], plan.single)
+        written.discard(0)  # self takes the result's layout: nothing to move back
+    else:
+        _check_inplace_shape(func, args, result.output_spec)
     plan.writebacks = tuple(loc for loc, target in zip(where, result.input_specs) if target is not None and loc[0] in written)
-    if written:
+    if plan.relayout:
+        written.add(0)
+    if written and _returns_written(func):
         plan.returns = tuple(loc for loc in where if loc[0] in written)
     return plan
 
@@ -219,6 +253,24 @@ def _check_inplace_shape(func: Any, args: tuple[Any, ...], out: Any) -> None:
             )
 
 
+def _check_growth(func: Any, self: DTensor, out: Optional[DTensorSpec]) -> None:
+    if out is None or math.prod(out.shape) > math.prod(self.shape):
+        got = "an unknown shape" if out is None else tuple(out.shape)
+        raise ValueError(
+            f"{func} would grow a DTensor from shape {tuple(self.shape)} to {got}: a DTensor's storage "
+            f"cannot grow in place; make a new one (shardwise.empty(shape, device_mesh=..., placements=...))"
+        )
+
+
+def _relayout(owner: DTensor, local: torch.Tensor, spec: DTensorSpec) -> None:
+    """Give `owner` the layout (and global shape) of an in-place op's result."""
+    owner._local_tensor = local
+    owner._spec = spec
+    # the wrapper's own sizes and strides are metadata only: set them below the Python key
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+        torch.ops.aten.as_strided_.default(owner, spec.shape, spec.tensor_meta.stride)
+
+
 def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[Union[int, str]]:
     """Positions / names of the arguments the op writes (in-place self, out= tensors)."""
     written: set[Union[int, str]] = set()
@@ -229,6 +281,13 @@ def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
             else:
                 written.add(k)
     return written
+
+
+def _returns_written(func: Any) -> bool:
+    """Whether the op returns the arguments it writes (`add_`, `out=`) rather than new tensors
+    (batch norm writes its running statistics but returns fresh outputs)."""
+    returns = func._schema.returns
+    return not returns or any(r.alias_info is not None and r.alias_info.is_write for r in returns)
 
 
 def _get(args: Any, kwargs: dict[str, Any], loc: Location) -> Any:
@@ -255,6 +314,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if plan is None:
         plan = _make_plan(func, args, kwargs)
         _PLANS[key] = plan
+    if plan.decompose is not None:
+        return _run_decomposition(plan.decompose, args, kwargs)
     if plan.simple:
         local_args = list(args)
         for k, target in plan.moves:
@@ -276,6 +337,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return _wrap_replicated(out, plan.dynamic_mesh)
     if plan.writebacks:
         _write_back(args, kwargs, local_args, local_kwargs, plan)
+    if plan.relayout:
+        assert plan.single is not None
+        _relayout(args[0], out if isinstance(out, torch.Tensor) else local_args[0], plan.single)
     if plan.returns is not None:
         if not func._schema.returns:  # `-> ()` ops must return None to torch
             return None
