@@ -250,3 +250,18 @@ def test_mixing_plain_tensors_and_dtensors_is_a_clear_error() -> None:
     x = sw.distribute_tensor(seeded(8, 8), mesh, [Shard(0)])
     with pytest.raises(ValueError, match=r"plain torch.Tensor of shape \(8, 8\).*distribute_tensor"):
         x + torch.ones(8, 8)
+
+
+@distributed(world_size=4)
+def test_regression_to_local_output_mixed_back_in_gave_a_dtensor_inside_a_dtensor() -> None:
+    # A local tensor taken with to_local() and then mixed with DTensors as a replicated plain
+    # tensor (a RowwiseParallel local output feeding a residual add) got its gradient as a
+    # DTensor, which to_local's backward wrapped again: a DTensor inside a DTensor.
+    mesh = sw.init_device_mesh("cpu", (4,))
+    d_full, w_full = seeded(4, 3, seed=1), seeded(4, 3, seed=2)
+    d = sw.distribute_tensor(d_full, mesh, [Replicate()]).requires_grad_()
+    w = sw.distribute_tensor(w_full, mesh, [Replicate()]).requires_grad_()
+    with sw.implicit_replication():
+        ((d + w.to_local()) * d).sum().backward()
+    assert isinstance(w.grad, DTensor) and not isinstance(w.grad._local_tensor, DTensor)
+    torch.testing.assert_close(w.grad.full_tensor(), d_full)

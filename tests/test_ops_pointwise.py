@@ -22,3 +22,28 @@ def test_binary_ops_with_broadcasting_and_partial_inputs(mesh_shape: tuple[int, 
     a, row = torch.randn(6, 5), torch.randn(5)
     for op in (aten.add.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default, aten.atan2.default):
         assert check_op(op, (a, row), mesh_shape=mesh_shape) > 0
+
+
+def test_regression_elementwise_ops_kept_a_non_default_split_order() -> None:
+    # A dim split by mesh dims 1 then 0 (shard_order {0: (1, 0)}) came out of detach, mul,
+    # add, clone in the default order, so every such op (and nn.Parameter(), and each
+    # optimizer step) re-laid the tensor out with an all_gather.
+    from shardwise import AbstractMesh, Replicate, Shard
+    from shardwise._ops import Layout, propagate
+
+    from .strategy_sim import schema_for
+
+    aten = torch.ops.aten
+    mesh = AbstractMesh((2, 2))
+    ordered = Layout((Shard(0), Shard(0)), ((0, (1, 0)),))
+    x, b = torch.randn(6, 4), torch.randn(4)
+    for op, args, layouts in [
+        (aten.detach.default, (x,), [ordered]),
+        (aten.mul.Tensor, (x, 2.0), [ordered]),
+        (aten.add.Tensor, (x, x), [ordered, ordered]),
+        (aten.add.Tensor, (x, b), [ordered, Layout((Replicate(), Replicate()))]),
+        (aten.lerp.Scalar, (x, x, 0.5), [ordered, ordered]),
+    ]:
+        got = propagate(schema_for(op, args, {}, mesh, layouts))
+        assert got.input_specs[0] is None, (op, got)  # the ordered input stays where it is
+        assert got.output_spec.placements == ordered.placements and got.output_spec.shard_order == ordered.shard_order

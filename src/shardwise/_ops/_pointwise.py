@@ -24,10 +24,12 @@ from typing import Any, Optional
 
 import torch
 
+from .._layout import ShardOrder, split_orders
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
+from ._utils import canonical_order, order_like
 
 __all__ = ["pointwise_strategy", "POINTWISE_OPS"]
 
@@ -110,12 +112,34 @@ def pointwise_strategy(schema: OpSchema) -> OpStrategy:
     strategies = []
     for combo in itertools.product(*per_dim):
         out = tuple(o for o, _ in combo)
-        ins = [Layout(tuple(need[j] for _, need in combo)) for j in range(len(dspecs))]
+        needs = [tuple(need[j] for _, need in combo) for j in range(len(dspecs))]
+        order = _output_order(dspecs, needs, len(out_shape))
+        ins = [Layout(n, _input_order(n, order, len(out_shape) - spec.ndim)) for spec, n in zip(dspecs, needs)]
         # an out= tensor receives the output: it is asked for the output's layout (the
         # dispatcher writes the result back into the layout it had)
-        outs = Layout(out) if n_outputs == 1 else (Layout(out),) * n_outputs
-        strategies.append(PlacementStrategy(outs, tuple(ins) + (Layout(out),) * extra))
+        lay = Layout(out, _input_order(out, order, 0))
+        outs = lay if n_outputs == 1 else (lay,) * n_outputs
+        strategies.append(PlacementStrategy(outs, tuple(ins) + (lay,) * extra))
     return OpStrategy(strategies)
+
+
+def _output_order(dspecs: list[DTensorSpec], needs: list[tuple[Placement, ...]], out_ndim: int) -> ShardOrder:
+    """Keep an input's split order (a tensor dim split by several mesh dims, not outermost
+    first) where the candidate splits that dim the same way: otherwise every elementwise op
+    would move such a tensor into the default order."""
+    for spec, need in zip(dspecs, needs):
+        kept = order_like(need, spec)
+        if kept:
+            shift = out_ndim - spec.ndim
+            return tuple((d + shift, ms) for d, ms in kept)
+    return ()
+
+
+def _input_order(placements: tuple[Placement, ...], order: ShardOrder, shift: int) -> ShardOrder:
+    """The output's split order seen from an input whose dims are the output's last ones."""
+    splits = split_orders(placements)
+    return canonical_order([(d - shift, ms) for d, ms in order
+                            if d >= shift and sorted(splits.get(d - shift, ())) == sorted(ms)])
 
 
 def _pointwise_ops() -> list[torch._ops.OpOverload]:

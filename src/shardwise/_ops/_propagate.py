@@ -137,7 +137,7 @@ def _writeback_cost(schema: OpSchema, candidate: PlacementStrategy) -> float:
 
 
 def _pick(schema: OpSchema, strategy: OpStrategy, specs: list[DTensorSpec]) -> PlacementStrategy:
-    best: Optional[tuple[float, int, PlacementStrategy]] = None
+    best: Optional[tuple[float, int, int, PlacementStrategy]] = None
     for candidate in strategy.strategies:
         if len(candidate.input_specs) != len(specs):
             raise ValueError(
@@ -151,12 +151,15 @@ def _pick(schema: OpSchema, strategy: OpStrategy, specs: list[DTensorSpec]) -> P
         cost += _writeback_cost(schema, candidate)
         if math.isinf(cost):
             continue
-        key = (round(cost, 6), _memory(candidate, specs, schema.output_meta()), candidate)
-        if best is None or key[:2] < best[:2]:
+        # ties: less memory, then fewer inputs re-laid out (on a mesh dim of size 1 a Shard and
+        # a Replicate cost and weigh the same: keep what the input has)
+        moved = sum(_target(s, lay) is not None for s, lay in zip(specs, candidate.input_specs))
+        key = (round(cost, 6), _memory(candidate, specs, schema.output_meta()), moved, candidate)
+        if best is None or key[:3] < best[:3]:
             best = key
     if best is None:
         raise ValueError(f"no strategy of {schema.op} accepts the inputs {schema}: {strategy}")
-    return best[2]
+    return best[3]
 
 
 def _target(spec: DTensorSpec, lay: Optional[Layout]) -> Optional[DTensorSpec]:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
+from .._layout import ShardOrder, split_orders
 from .._placement import Placement, Replicate, Shard
 from .._spec import DTensorSpec
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
 
 __all__ = [
+    "canonical_order",
     "input_spec",
+    "order_like",
+    "renamed_order",
     "replicate",
     "current",
     "expand_to_mesh",
@@ -28,6 +32,21 @@ def input_spec(schema: OpSchema) -> DTensorSpec:
     if not isinstance(spec, DTensorSpec):
         raise TypeError(f"{schema.op} expects a DTensor as its first argument, got {type(spec).__name__}")
     return spec
+
+
+def canonical_order(order: Sequence[tuple[int, tuple[int, ...]]]) -> ShardOrder:
+    """Only non-ascending split orders, sorted by tensor dim (the form `Layout` compares by)."""
+    return tuple(sorted((d, tuple(ms)) for d, ms in order if list(ms) != sorted(ms)))
+
+
+def order_like(placements: Sequence[Placement], spec: DTensorSpec) -> ShardOrder:
+    """`spec`'s split order for the tensor dims `placements` splits over the same mesh dims."""
+    splits = split_orders(placements)
+    return canonical_order([(d, ms) for d, ms in spec.shard_order if sorted(splits.get(d, ())) == sorted(ms)])
+
+
+def renamed_order(order: ShardOrder, dim_map: Mapping[int, int]) -> ShardOrder:
+    return canonical_order([(dim_map[d], ms) for d, ms in order])
 
 
 def replicate(mesh_ndim: int) -> Layout:

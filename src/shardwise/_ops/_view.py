@@ -29,7 +29,7 @@ from .._placement import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
-from ._utils import input_spec, normalize_dim
+from ._utils import canonical_order as _canonical, input_spec, normalize_dim, order_like, renamed_order
 
 __all__ = [
     "ANY_REDUCE",
@@ -60,21 +60,6 @@ def out_meta(schema: OpSchema) -> TensorMeta:
     if not isinstance(meta, TensorMeta):
         raise TypeError(f"{schema.op} was expected to return one tensor, got {meta!r}")
     return meta
-
-
-def _canonical(order: Sequence[tuple[int, tuple[int, ...]]]) -> ShardOrder:
-    """Only non-ascending split orders, sorted by tensor dim (the form `Layout` compares by)."""
-    return tuple(sorted((d, ms) for d, ms in order if list(ms) != sorted(ms)))
-
-
-def order_like(placements: Sequence[Placement], spec: DTensorSpec) -> ShardOrder:
-    """`spec`'s split order for the tensor dims `placements` splits over the same mesh dims."""
-    splits = split_orders(placements)
-    return _canonical([(d, ms) for d, ms in spec.shard_order if sorted(splits.get(d, ())) == sorted(ms)])
-
-
-def renamed_order(order: ShardOrder, dim_map: Mapping[int, int]) -> ShardOrder:
-    return _canonical([(dim_map[d], ms) for d, ms in order])
 
 
 def _mesh_options(

@@ -195,6 +195,10 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
+        if isinstance(grad, DTensor):
+            # the local tensor went on as a plain tensor counted as replicated (implicit
+            # replication): its gradient is a DTensor whose full value is this rank's piece's
+            grad = grad.full_tensor()
         return DTensor(grad, ctx.grad_spec, requires_grad=False), None
 
 
