@@ -31,6 +31,7 @@ PUBLIC = [
     "TensorMeta",
     "comm_log",
     "current_mesh",
+    "distribute_module",
     "distribute_tensor",
     "empty",
     "explain_redistribute",
@@ -51,6 +52,20 @@ PUBLIC = [
 
 def test_public_surface_is_pinned() -> None:
     assert list(shardwise.__all__) == PUBLIC, "update PUBLIC here when the public surface changes on purpose"
+
+
+PARALLEL = [
+    "ColwiseParallel", "MegatronPlanner", "ParallelStyle", "PrepareModuleInput", "PrepareModuleOutput",
+    "RowwiseParallel", "SequenceParallel", "Sharder", "ShardingPlan", "ShardingPlanner", "data_parallel",
+    "distribute_module", "loss_parallel", "memory_report", "no_sync", "parallelize_module", "shard_module",
+]
+
+
+def test_parallel_surface_is_pinned() -> None:
+    import shardwise.parallel
+
+    assert list(shardwise.parallel.__all__) == PARALLEL
+    assert shardwise.distribute_module is shardwise.parallel.distribute_module
 
 
 def test_all_is_sorted_and_unique() -> None:

@@ -28,6 +28,8 @@ from ._tensor import (
     zeros,
 )
 
+from .parallel import distribute_module
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "TensorMeta",
     "comm_log",
     "current_mesh",
+    "distribute_module",
     "distribute_tensor",
     "empty",
     "explain_redistribute",

@@ -4,6 +4,7 @@
 from . import _pointwise  # noqa: F401
 from . import _conv, _factory, _foreach, _index, _matmul, _nn, _norm, _reduction, _shape, _view  # noqa: F401
 from . import _fft, _linalg, _loss, _misc, _spatial  # noqa: F401
+from . import _loss_parallel  # noqa: F401  (last: wraps the log_softmax / nll_loss strategies)
 from ._propagate import RELAYOUT_OPS, REPLICATED_OPS, is_strict, propagate, redistribute_cost, set_strict, strategy_calls
 from ._registry import get_op_strategy, register_op_strategy, registered_ops
 from ._schema import (

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -26,7 +26,7 @@ from .._spec import DTensorSpec, TensorMeta
 from .._ops import RELAYOUT_OPS, REPLICATED_OPS, OpSchema, ScalarTensor, get_op_strategy, propagate
 from ._redistribute import redistribute_local
 
-__all__ = ["dispatch", "implicit_replication", "register_local_impl"]
+__all__ = ["dispatch", "implicit_replication", "plain_as_replicated", "register_local_impl"]
 
 # Ops whose local computation is not the op on the local pieces: random ops draw from the
 # placement-invariant generator instead, so every layout gives the same global values; a
@@ -72,6 +72,18 @@ def implicit_replication() -> Iterator[None]:
         yield
     finally:
         _IMPLICIT.reset(token)
+
+
+# Ops that take plain tensors as replicated while a mode says so (loss_parallel's targets).
+_PLAIN_AS_REPLICATED: set[Any] = set()
+
+
+def plain_as_replicated(ops: Iterable[Any], on: bool) -> None:
+    """Let these ops take plain tensors mixed with DTensors as replicated (or stop)."""
+    if on:
+        _PLAIN_AS_REPLICATED.update(ops)
+    else:
+        _PLAIN_AS_REPLICATED.difference_update(ops)
 
 
 # Where a DTensor input sits: (positional index or keyword name, index in a list or None).
@@ -127,7 +139,7 @@ def _key_part(a: Any, func: Any) -> Any:
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:
             return ScalarTensor(a.dtype, a.device.type)
-        if _IMPLICIT.get() or a.numel() == 1:  # one element: a scalar in a tensor's clothes
+        if _IMPLICIT.get() or a.numel() == 1 or func in _PLAIN_AS_REPLICATED:  # numel 1: a scalar in disguise
             return ("plain", a.shape, a.dtype, a.device.type)
         raise _plain_error(func, a)
     if isinstance(a, (list, tuple)):

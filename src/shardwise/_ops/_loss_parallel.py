@@ -1,0 +1,204 @@
+"""Loss-parallel candidates: log_softmax and nll_loss with the class (vocab) dim split,
+offered only while `shardwise.parallel.loss_parallel()` is on.
+
+A cross entropy over a vocabulary split across ranks needs no gathered logits: the row
+max and the row sum of exponentials combine over the ranks that split the row, and each
+target's log-probability lives on exactly one of them. Those candidates need local
+computations that talk to other ranks, which the tensor layer runs
+(`shardwise._tensor._loss_parallel_impls`); here they are only described.
+
+| op | class dim split on a mesh dim gives | the local computation |
+|---|---|---|
+| _log_softmax(x, dim) | S(dim) | x - max - log(sum exp(x - max)), max and sum all-reduced per row |
+| _log_softmax_backward_data | S(dim) | g - exp(out) * sum(g), the row sum all-reduced |
+| nll_loss(2d)_forward, none | loss P(sum), total weight R | each rank picks the targets in its class range |
+| nll_loss(2d)_forward, sum | P(sum), P(sum) | as none, summed |
+| nll_loss(2d)_forward, mean | P(sum), R | its sum over the all-reduced total weight |
+| nll_loss(2d)_backward | S(class dim) | each rank scatters into its class range only |
+
+Class weights are split like the classes (Shard(0) on those mesh dims); other mesh dims
+may split the samples as the ordinary strategies do. The candidates are added to the
+ops' ordinary strategies, which this module wraps, and only while the mode is on: outside
+`loss_parallel()` every op plans exactly as before. The propagation cache keys on op and
+specs, not on the mode, so switching the mode sets aside what it cached for these ops and
+brings back what was set aside under the other mode.
+
+>>> from shardwise import AbstractMesh
+>>> from shardwise._ops import propagate
+>>> from shardwise._spec import TensorMeta
+>>> logits = DTensorSpec(AbstractMesh((4,)), (Shard(1),), TensorMeta(torch.Size([8, 10]), (10, 1), torch.float32))
+>>> def plan(op: Any, *args: Any) -> str:  # input move -> output layout
+...     r = propagate(OpSchema(op, (logits, *args)))
+...     return ("as is" if r.input_specs[0] is None else r.input_specs[0].layout_str()) + " -> " + r.output_spec.layout_str()
+>>> plan(aten._log_softmax.default, 1, False)  # ordinarily the class dim must be whole
+'(S(0)) -> (S(0))'
+>>> set_loss_parallel(True)
+>>> plan(aten._log_softmax.default, 1, False)
+'as is -> (S(1))'
+>>> set_loss_parallel(False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .._placement import Partial, Placement, Replicate, Shard
+from .._spec import DTensorSpec
+from . import _nn, _norm, _propagate  # noqa: F401  (_nn, _norm: the strategies wrapped here are registered first)
+from ._index import Args, Option, combine
+from ._reduction import build_strategy
+from ._registry import StrategyFn, get_op_strategy, register_op_strategy
+from ._schema import Layout, OpSchema, OpStrategy, OutputSharding, PlacementStrategy, StrategyType
+from ._utils import normalize_dim
+
+__all__ = ["LOSS_PARALLEL_OPS", "set_loss_parallel", "loss_parallel_enabled", "class_dim"]
+
+aten = torch.ops.aten
+R = Replicate()
+SUM = Partial("sum")
+_NONE, _MEAN, _SUM = 0, 1, 2
+
+_LOG_SOFTMAX = (aten._log_softmax.default,)
+_LOG_SOFTMAX_BACKWARD = (aten._log_softmax_backward_data.default,)
+_NLL = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+_NLL_BACKWARD = (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+LOSS_PARALLEL_OPS = _LOG_SOFTMAX + _LOG_SOFTMAX_BACKWARD + _NLL + _NLL_BACKWARD
+
+_ON = [False]
+# The propagation cached for these ops under the mode that is off, put aside until it is
+# back on: a training step that enters and leaves the mode plans them once, not every step.
+_SET_ASIDE: dict[bool, dict[OpSchema, OutputSharding]] = {False: {}, True: {}}
+
+
+def loss_parallel_enabled() -> bool:
+    return _ON[0]
+
+
+def set_loss_parallel(on: bool) -> None:
+    """Offer (or stop offering) the class-split candidates; the propagation cached for these
+    ops under one mode is never used under the other."""
+    on = bool(on)
+    if on == _ON[0]:
+        return
+    cache = _propagate._CACHE
+    leaving = {s: r for s, r in cache.items() if s.op in LOSS_PARALLEL_OPS}
+    for schema in leaving:
+        del cache[schema]
+    _SET_ASIDE[_ON[0]] = leaving
+    cache.update(_SET_ASIDE[on])
+    _SET_ASIDE[on] = {}
+    _ON[0] = on
+
+
+def class_dim(ndim: int) -> int:
+    """The class dim of nll_loss's input: 1, or 0 for a single sample of shape (C,)."""
+    return 1 if ndim >= 2 else 0
+
+
+# -- wrapping the ordinary strategies ----------------------------------------------------------
+
+_BASE: dict[Any, StrategyFn] = {}
+
+
+def _extends(ops: Sequence[Any]) -> Callable[[Callable[[OpSchema], list[PlacementStrategy]]], StrategyFn]:
+    """Register, for `ops`, their current strategy plus, while the mode is on, the candidates
+    the decorated function returns."""
+
+    def wrap(extra: Callable[[OpSchema], list[PlacementStrategy]]) -> StrategyFn:
+        for op in ops:
+            base = get_op_strategy(op)
+            if base is None:
+                raise LookupError(f"loss parallel extends the strategy of {op}, which has none registered")
+            _BASE[op] = base
+
+        def strategy(schema: OpSchema) -> StrategyType:
+            base = _BASE[schema.op](schema)
+            if not _ON[0] or not isinstance(base, OpStrategy):
+                return base
+            return OpStrategy(base.strategies + extra(schema))
+
+        register_op_strategy(list(ops))(strategy)
+        return strategy
+
+    return wrap
+
+
+def _splits(layout: Any, dim: int) -> bool:
+    return isinstance(layout, Layout) and Shard(dim) in layout.placements
+
+
+# -- log_softmax ---------------------------------------------------------------------------------
+
+
+@_extends(_LOG_SOFTMAX)
+def _log_softmax_candidates(schema: OpSchema) -> list[PlacementStrategy]:
+    spec = schema.args_schema[0]
+    assert isinstance(spec, DTensorSpec)
+    dim = normalize_dim(int(schema.arg(1, "dim")), spec.ndim)
+    every = build_strategy(schema, lambda i: [(Shard(d), Shard(d)) for d in range(spec.ndim)])
+    return [c for c in every.strategies if _splits(c.input_specs[0], dim)]
+
+
+@_extends(_LOG_SOFTMAX_BACKWARD)
+def _log_softmax_backward_candidates(schema: OpSchema) -> list[PlacementStrategy]:
+    spec = schema.args_schema[0]
+    assert isinstance(spec, DTensorSpec)
+    dim = normalize_dim(int(schema.arg(2, "dim")), spec.ndim)
+    every = build_strategy(schema, lambda i: [(Shard(d),) * 3 for d in range(spec.ndim)])
+    return [c for c in every.strategies if _splits(c.input_specs[0], dim)]
+
+
+# -- nll_loss ------------------------------------------------------------------------------------
+
+
+def _sample_dims(ndim: int) -> list[tuple[int, int]]:
+    """(input dim, target dim) of every dim but the class dim."""
+    c = class_dim(ndim)
+    return [(d, d if d < c else d - 1) for d in range(ndim) if d != c]
+
+
+def _forward_outputs(reduction: int) -> tuple[Placement, Placement]:
+    """(loss, total weight) of a rank that holds some of the classes or samples."""
+    return {_NONE: (SUM, R), _SUM: (SUM, SUM), _MEAN: (SUM, R)}[reduction]
+
+
+@_extends(_NLL)
+def _nll_loss_candidates(schema: OpSchema) -> list[PlacementStrategy]:
+    a = Args(schema)
+    me = a.need("self")
+    c = class_dim(me.ndim)
+    reduction = int(schema.arg(3, "reduction", _MEAN))
+    vocab = _forward_outputs(reduction)
+    per_dim: list[list[Option]] = []
+    for _ in range(a.mesh_ndim):
+        opts = [a.opt(vocab, {"self": Shard(c), "weight": Shard(0)})]
+        for d, t in _sample_dims(me.ndim):
+            outs = (Shard(t), R) if reduction == _NONE else vocab
+            opts.append(a.opt(outs, {"self": Shard(d), "target": Shard(t)}))
+            opts.append(a.opt(outs, {"self": Shard(d)}))  # target whole: each rank reads its samples'
+        per_dim.append(opts)
+    k = a.pos("self") or 0
+    return [s for s in combine(a, per_dim, n_outputs=2).strategies if _splits(s.input_specs[k], c)]
+
+
+@_extends(_NLL_BACKWARD)
+def _nll_loss_backward_candidates(schema: OpSchema) -> list[PlacementStrategy]:
+    a = Args(schema)
+    me = a.need("self")
+    c = class_dim(me.ndim)
+    reduction = int(schema.arg(4, "reduction", _MEAN))
+    per_dim: list[list[Option]] = []
+    for _ in range(a.mesh_ndim):
+        opts = [a.opt((Shard(c),), {"self": Shard(c), "weight": Shard(0)})]
+        for d, t in _sample_dims(me.ndim):
+            grad: dict[str, Placement] = {"grad_output": Shard(t)} if reduction == _NONE else {}
+            opts.append(a.opt((Shard(d),), {"self": Shard(d), "target": Shard(t), **grad}))
+            opts.append(a.opt((Shard(d),), {"self": Shard(d), **grad}))
+        per_dim.append(opts)
+    tw = a.pos("total_weight")
+    free = [tw] if tw is not None and reduction != _MEAN else []  # read only by a mean
+    k = a.pos("self") or 0
+    return [s for s in combine(a, per_dim, free=free).strategies if _splits(s.input_specs[k], c)]

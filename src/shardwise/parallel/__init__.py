@@ -1,0 +1,21 @@
+"""Module-level parallelism: distribute_module, sharding plans and planners, tensor-parallel
+styles and parallelize_module, loss parallel, data parallel (replicated or ZeRO-3 sharded).
+
+Public names mirror `torch.distributed.tensor.parallel`, `torch.distributed.tensor`'s
+`distribute_module` and `torch.distributed._shard.sharding_plan`; the implementation is in
+private modules, one job each.
+"""
+
+from ._data_parallel import *  # noqa: F401,F403
+from ._distribute import *  # noqa: F401,F403
+from ._loss import *  # noqa: F401,F403
+from ._megatron import *  # noqa: F401,F403
+from ._parallelize import *  # noqa: F401,F403
+from ._plan import *  # noqa: F401,F403
+from ._style import *  # noqa: F401,F403
+from . import _data_parallel, _distribute, _loss, _megatron, _parallelize, _plan, _style
+
+__all__ = sorted(
+    _data_parallel.__all__ + _distribute.__all__ + _loss.__all__ + _megatron.__all__ + _parallelize.__all__
+    + _plan.__all__ + _style.__all__
+)

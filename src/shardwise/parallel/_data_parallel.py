@@ -1,0 +1,412 @@
+"""Data parallel over one mesh dim: replicated parameters with bucketed gradient averaging, or ZeRO-3 sharded ones.
+
+Every dp rank runs the model on its own batch with plain local tensors, as under DDP;
+only the parameters are distributed. `data_parallel` stores each parameter as a DTensor
+on the *whole* mesh -- `Replicate()` (or, with `shard_parameters=True`, `Shard(k)` on the
+first tensor dim `k` that tensor parallelism leaves whole) on the dp dim, the parameter's
+tensor-parallel placements on the other dims -- so the optimizer steps DTensors whose
+state takes the same layout, and with sharding every rank keeps about 1/dp of
+parameters, gradients and optimizer state. A forward pre-hook on each module puts the
+module's *compute view* of its parameters in `module.__dict__` (found before
+`nn.Module.__getattr__` looks in `_parameters`) for the duration of the forward: the
+plain local piece, or a DTensor on the tensor-parallel sub-mesh.
+
+| parameter on the dp dim | forward (compute view) | backward (gradient) |
+|---|---|---|
+| `Replicate()` | local piece, no communication | local grads kept; at the end of backward one `all_reduce(avg)` per bucket |
+| `Shard(k)` | `all_gather` over dp | `reduce_scatter(avg)`: `param.grad` is dp-sharded |
+
+Each rank's gradient is that of its own mean loss, so the average over dp is the
+gradient of the mean over the whole batch (equal local batch sizes). Replicated
+gradients are flattened into buckets of about `bucket_cap_mb` per dtype and reduced
+once per backward, from an autograd-engine callback, in a fixed bucket order: the
+collectives match across ranks even when a rank leaves some parameters unused (a
+parameter's gradient stays None only when no rank used it). Gloo runs collectives
+synchronously, so buckets are reduced at the end of backward rather than overlapped.
+
+Sharding picks a tensor dim that tensor parallelism does not split, so gathering is one
+all_gather of the tensor-parallel piece; a parameter with every dim split by tensor
+parallelism (a column-parallel bias) stays replicated on dp. The gathered copies that
+backward needs (a linear's weight) live from forward until backward, so the 1/dp saving
+holds between steps, not at the peak of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union, cast
+
+import torch
+from torch import nn
+
+from .. import _comm as comm
+from .._layout import ShardOrder, contiguous_strides, normalize_shard_order
+from .._mesh import DeviceMesh
+from .._placement import Partial, Placement, Replicate, Shard
+from .._spec import DTensorSpec, TensorMeta
+from .._tensor import DTensor
+
+__all__ = ["data_parallel", "memory_report", "no_sync"]
+
+_STATE_ATTR = "_shardwise_data_parallel"
+
+
+@dataclass(eq=False)
+class _Param:
+    """One stored parameter and how to build its compute view."""
+
+    name: str
+    param: DTensor  # an nn.Parameter DTensor on the whole mesh
+    sharded: bool  # Shard(k) on dp (else Replicate)
+    gathered: DTensorSpec  # Replicate on dp, tp placements on the rest: what forward computes with
+    grad_spec: DTensorSpec  # Partial("avg") on dp: the layout of a local gradient
+    tp_mesh: Optional[DeviceMesh]  # set when the parameter was a DTensor on the tp sub-mesh
+    tp_placements: tuple[Placement, ...] = ()
+    tp_order: ShardOrder = ()
+
+    def local_shape(self) -> torch.Size:
+        return self.param._local_tensor.shape
+
+
+@dataclass(eq=False)
+class _Reducer:
+    """Keeps replicated parameters' local gradients and averages them over dp, one all_reduce per bucket."""
+
+    buckets: list[list[_Param]]
+    group: Any
+    size: int
+    sync: bool = True
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # id(_Param) -> local grad sum
+    queued_task: Optional[int] = None
+    bucketed: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.bucketed = {id(p) for bucket in self.buckets for p in bucket}
+
+    def add(self, p: _Param, grad: torch.Tensor) -> None:
+        if id(p) not in self.bucketed:
+            raise ValueError(
+                f"parameter {p.name} got a gradient but did not require one when data_parallel placed it: "
+                f"set requires_grad before calling data_parallel"
+            )
+        held = self.pending.get(id(p))
+        if held is None:
+            self.pending[id(p)] = grad.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            held.add_(grad)
+        if not self.sync:
+            return
+        task = torch._C._current_graph_task_id()
+        if self.queued_task != task or task == -1:
+            self.queued_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def flush(self) -> None:
+        """Average every bucket over dp and add the result to the parameters' `.grad` (Replicate on dp)."""
+        self.queued_task = None
+        with torch.no_grad():
+            for bucket in self.buckets:
+                self._reduce(bucket)
+
+    def _reduce(self, bucket: list[_Param]) -> None:
+        first = bucket[0].param
+        parts: list[torch.Tensor] = []
+        flags: list[float] = []
+        for p in bucket:
+            g = self.pending.pop(id(p), None)
+            flags.append(0.0 if g is None else 1.0)
+            if g is None:
+                g = torch.zeros(p.local_shape().numel(), dtype=first.dtype, device=first.device)
+            parts.append(g.reshape(-1))
+        parts.append(torch.tensor(flags, dtype=first.dtype, device=first.device))
+        flat = torch.cat(parts)  # (sum of local numels + len(bucket),)
+        if self.size > 1:
+            flat = comm.all_reduce(flat, self.group, self.size, "avg")
+        used = flat[-len(bucket):].tolist()
+        offset = 0
+        for p, flag in zip(bucket, used):
+            shape = p.local_shape()
+            piece = flat[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()
+            if flag == 0:  # no rank used this parameter: its gradient stays as it was
+                continue
+            grad = DTensor(piece, p.param._spec, requires_grad=False)
+            if p.param.grad is None:
+                p.param.grad = grad
+            else:
+                p.param.grad.add_(grad)
+
+
+class _LocalView(torch.autograd.Function):
+    """This rank's piece of a whole-mesh DTensor as a plain tensor; its gradient goes to the reducer or back as P(avg)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, p: _Param, reducer: Optional[_Reducer]) -> torch.Tensor:
+        ctx.p, ctx.reducer = p, reducer
+        local = x._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+        p: _Param = ctx.p
+        if isinstance(grad, DTensor):  # a plain view that met tensor-parallel DTensors: replicated on tp
+            grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)._local_tensor
+        if ctx.reducer is not None:
+            ctx.reducer.add(p, grad)
+            return None, None, None
+        return DTensor(grad, p.grad_spec, requires_grad=False), None, None
+
+
+@dataclass(eq=False)
+class _State:
+    mesh: DeviceMesh
+    dp: int
+    params: list[_Param]
+    owners: dict[nn.Module, list[tuple[str, _Param]]]
+    reducer: _Reducer
+    handles: list[Any] = field(default_factory=list)
+
+    def view(self, p: _Param) -> torch.Tensor:
+        """The compute view of `p`: gathered over dp if sharded, local, then on the tp sub-mesh if it was there."""
+        if p.sharded:
+            full = p.param.redistribute(placements=p.gathered.placements, shard_order=p.gathered.shard_order)
+            local = _LocalView.apply(full, p, None)  # type: ignore[no-untyped-call]
+        else:
+            local = _LocalView.apply(p.param, p, self.reducer)  # type: ignore[no-untyped-call]
+        if p.tp_mesh is None:
+            return local  # type: ignore[no-any-return]
+        meta = p.gathered.tensor_meta
+        return DTensor.from_local(
+            local, p.tp_mesh, p.tp_placements, shape=meta.shape, stride=meta.stride, shard_order=p.tp_order
+        )
+
+
+def data_parallel(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    dp_dim: Optional[Union[int, str]] = None,
+    shard_parameters: bool = False,
+    bucket_cap_mb: float = 25.0,
+) -> nn.Module:
+    """Make `module` data parallel over the dp dim of `device_mesh`, in place; returns it.
+
+    `device_mesh` is 1-D (pure data parallel) or n-D with a dp dim (`dp_dim`: a name or
+    index; default "dp" when the mesh names one, else 0). Parameters are plain tensors, or
+    DTensors on the sub-mesh of the other dims (a tensor-parallel module). Each parameter
+    becomes an `nn.Parameter` DTensor on the whole mesh, its values taken from the first dp
+    rank; tied parameters stay one. With `shard_parameters=True` (ZeRO-3) a parameter is
+    `Shard(k)` on dp for the first tensor dim `k` no tensor-parallel mesh dim splits (dim 0
+    of a plain parameter; `Replicate()` when there is none, as for a 0-dim parameter).
+    Create the optimizer afterwards. Buffers stay as they are: under data parallel each
+    rank's batch norm normalises and tracks its own batch.
+
+    Per step, every dp rank runs forward on its own batch and calls backward on its mean
+    loss; the parameters' gradients are then the gradients of the whole batch's mean loss.
+    """
+    problems: list[str] = []
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"data_parallel takes an nn.Module, got {type(module).__name__}")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(
+            f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}: use shardwise.init_device_mesh"
+        )
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a positive number of megabytes (default 25.0)")
+    if hasattr(module, _STATE_ATTR):
+        raise ValueError(f"{type(module).__name__} is already data parallel: call data_parallel once per module")
+    if dp_dim is None:
+        names = device_mesh.mesh_dim_names
+        dp_dim = "dp" if names is not None and "dp" in names else 0
+    d = device_mesh.mesh_dim_index(dp_dim)
+    if device_mesh.get_coordinate() is None:
+        raise ValueError(f"this rank is not part of {device_mesh!r}: build the mesh over the ranks that train")
+    tp_mesh = _rest_mesh(device_mesh, d)
+
+    made: dict[int, _Param] = {}
+    owners: dict[nn.Module, list[tuple[str, _Param]]] = {}
+    for prefix, owner in module.named_modules():
+        for attr, p in owner._parameters.items():
+            if p is None:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            if id(p) not in made:
+                entry = _store(name, p, device_mesh, d, tp_mesh, shard_parameters, problems)
+                if entry is None:
+                    continue
+                made[id(p)] = entry
+            owners.setdefault(owner, []).append((attr, made[id(p)]))
+    if problems:
+        raise ValueError("data_parallel cannot place these parameters:\n  - " + "\n  - ".join(problems))
+    for owner, items in owners.items():
+        for attr, entry in items:
+            owner._parameters[attr] = cast(nn.Parameter, entry.param)
+
+    params = list(made.values())
+    buckets = _buckets([p for p in params if not p.sharded and p.param.requires_grad], bucket_cap_mb)
+    reducer = _Reducer(buckets, device_mesh.get_group(d), device_mesh.size(d))
+    state = _State(device_mesh, d, params, owners, reducer)
+    for owner, items in owners.items():
+        state.handles.append(owner.register_forward_pre_hook(_make_pre_hook(state, items), prepend=True))
+        state.handles.append(owner.register_forward_hook(_make_post_hook(items), always_call=True))
+    object.__setattr__(module, _STATE_ATTR, state)
+    return module
+
+
+def _rest_mesh(mesh: DeviceMesh, d: int) -> Optional[DeviceMesh]:
+    """The sub-mesh of every dim but `d` that holds this rank (None for a 1-D mesh)."""
+    rest = [i for i in range(mesh.ndim) if i != d]
+    if not rest:
+        return None
+    if mesh.mesh_dim_names is not None:
+        return mesh[tuple(mesh.mesh_dim_names[i] for i in rest)]
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # checked by the caller
+    index: list[Any] = [slice(None) if i != d else coordinate[d] for i in range(mesh.ndim)]
+    groups = mesh.get_all_groups()
+    return DeviceMesh(mesh.device_type, mesh.mesh[tuple(index)], _groups=tuple(groups[i] for i in rest))
+
+
+def _store(
+    name: str, p: torch.Tensor, mesh: DeviceMesh, d: int, tp_mesh: Optional[DeviceMesh], shard: bool, problems: list[str]
+) -> Optional[_Param]:
+    """The whole-mesh DTensor parameter for `p` (values from the first dp rank), or None after noting a problem."""
+    rest = [i for i in range(mesh.ndim) if i != d]
+    if isinstance(p, DTensor):
+        if tp_mesh is None or p.device_mesh != tp_mesh:
+            where = "plain tensors (the mesh is 1-D)" if tp_mesh is None else f"DTensors on {tp_mesh!r}"
+            problems.append(
+                f"{name} is a DTensor on {p.device_mesh!r}, but data parallel over mesh dim {d} of {mesh!r} needs "
+                f"{where}: distribute it on the sub-mesh of the non-dp dims, or pass a plain tensor"
+            )
+            return None
+        if p._spec.has_partial():
+            problems.append(
+                f"{name} has placements {p._spec.layout_str()}: a parameter cannot be Partial; redistribute it to Replicate()"
+            )
+            return None
+        local, meta = p._local_tensor, p._spec.tensor_meta
+        tp_placements: tuple[Placement, ...] = p.placements
+        tp_orders = {t: tuple(rest[m] for m in ms) for t, ms in p._spec.split_orders().items()}
+    else:
+        local = p.detach()
+        meta = TensorMeta(p.shape, contiguous_strides(p.shape), p.dtype)
+        tp_placements = (Replicate(),) * len(rest)
+        tp_orders = {}
+    # dp shards the first tensor dim that tensor parallel leaves whole, so the gather is one all_gather.
+    free = [t for t in range(p.ndim) if t not in tp_orders]
+    sharded = shard and bool(free)
+    gathered_pl = list(tp_placements)
+    gathered_pl.insert(d, Replicate())
+    stored_pl = list(gathered_pl)
+    if sharded:
+        stored_pl[d] = Shard(free[0])
+    gathered = DTensorSpec(mesh, tuple(gathered_pl), meta, normalize_shard_order(gathered_pl, tp_orders, p.ndim))
+    grad_pl = list(gathered_pl)
+    grad_pl[d] = Partial("avg")
+    grad_spec = DTensorSpec(mesh, tuple(grad_pl), meta, gathered.shard_order)
+    with torch.no_grad():
+        local = local.contiguous().clone()
+        if mesh.size(d) > 1:
+            local = comm.broadcast(local, mesh.get_group(d), mesh.size(d), mesh.ranks_along(d)[0])
+        stored = DTensor(local, gathered, requires_grad=False)
+        if sharded:
+            stored = stored.redistribute(placements=stored_pl, shard_order=gathered.shard_order)
+            stored = DTensor(stored._local_tensor.clone(), stored._spec, requires_grad=False)
+    was_tp = isinstance(p, DTensor)
+    return _Param(
+        name,
+        cast(DTensor, nn.Parameter(stored, requires_grad=p.requires_grad)),
+        sharded,
+        gathered,
+        grad_spec,
+        tp_mesh if was_tp else None,
+        tp_placements if was_tp else (),
+        p._spec.shard_order if isinstance(p, DTensor) else (),
+    )
+
+
+def _buckets(params: list[_Param], cap_mb: float) -> list[list[_Param]]:
+    """Group parameters, last registered first (about backward order), into buckets of <= cap bytes per dtype."""
+    cap = cap_mb * 1024 * 1024
+    open_: dict[tuple[torch.dtype, torch.device], tuple[list[_Param], int]] = {}
+    done: list[list[_Param]] = []
+    for p in reversed(params):
+        key = (p.param.dtype, p.param.device)
+        nbytes = p.local_shape().numel() * p.param.element_size()
+        bucket, size = open_.get(key, ([], 0))
+        if bucket and size + nbytes > cap:
+            done.append(bucket)
+            bucket, size = [], 0
+        open_[key] = (bucket + [p], size + nbytes)
+    return done + [b for b, _ in open_.values() if b]
+
+
+def _make_pre_hook(state: _State, items: list[tuple[str, _Param]]) -> Any:
+    def hook(owner: nn.Module, args: Any) -> None:
+        for attr, p in items:
+            owner.__dict__[attr] = state.view(p)
+
+    return hook
+
+
+def _make_post_hook(items: list[tuple[str, _Param]]) -> Any:
+    def hook(owner: nn.Module, args: Any, output: Any) -> None:
+        for attr, _ in items:
+            owner.__dict__.pop(attr, None)
+
+    return hook
+
+
+def _state_of(module: nn.Module) -> _State:
+    state = getattr(module, _STATE_ATTR, None)
+    if not isinstance(state, _State):
+        raise ValueError(f"{type(module).__name__} is not data parallel: pass the module data_parallel returned")
+    return state
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """Backward passes inside the block keep replicated gradients local; the next one outside averages the sum.
+
+    For gradient accumulation over micro-batches with one reduction per step. Sharded
+    parameters' gradients are still reduce-scattered on every backward (keeping them
+    unsharded would cost what sharding saves).
+    """
+    reducer = _state_of(module).reducer
+    before = reducer.sync
+    reducer.sync = False
+    try:
+        yield
+    finally:
+        reducer.sync = before
+
+
+def memory_report(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state, and the same for the unsharded model.
+
+    Keys: `parameters`, `gradients`, `optimizer_state`, `total` (local pieces held by this
+    rank) and `unsharded_parameters`, `unsharded_gradients`, `unsharded_optimizer_state`,
+    `unsharded_total` (the global tensors, as one device would hold them).
+    """
+    params = list({id(p): p for p in module.parameters()}.values())
+    grads = [p.grad for p in params if p.grad is not None]
+    state: list[torch.Tensor] = []
+    if optimizer is not None:
+        for entry in optimizer.state.values():
+            state.extend(v for v in entry.values() if isinstance(v, torch.Tensor))
+    report: dict[str, int] = {}
+    for key, tensors in (("parameters", params), ("gradients", grads), ("optimizer_state", state)):
+        report[key] = sum(_local(t).numel() * t.element_size() for t in tensors)
+        report["unsharded_" + key] = sum(t.numel() * t.element_size() for t in tensors)
+    report["total"] = report["parameters"] + report["gradients"] + report["optimizer_state"]
+    report["unsharded_total"] = (
+        report["unsharded_parameters"] + report["unsharded_gradients"] + report["unsharded_optimizer_state"]
+    )
+    return report
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t

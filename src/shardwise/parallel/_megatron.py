@@ -1,0 +1,116 @@
+"""`MegatronPlanner`: derive the Megatron tensor-parallel plan of a transformer from its module structure.
+
+Megatron-LM splits each transformer block into column-parallel layers followed by
+row-parallel ones, so the only communication in a block is one all-reduce after the
+attention output projection and one after the MLP down projection (Megatron's `g`); the
+vocab is split across the token embedding and the LM head. This planner finds those
+layers by name across the common model families, and by shape where names say nothing:
+
+| role | names (tests/models.py, GPT-2 (HF), Llama, others) | style |
+|---|---|---|
+| q / k / v, fused qkv | q k v, c_attn, q_proj k_proj v_proj, query key value, wq wk wv, qkv | Colwise |
+| attention output | proj, c_proj, o_proj, out_proj, wo, dense | Rowwise |
+| MLP up / gate | up, c_fc, up_proj gate_proj, fc1, w1 w3, fc_in | Colwise |
+| MLP down | down, c_proj, down_proj, fc2, w2, fc_out | Rowwise |
+| token embedding | tok, wte, embed_tokens, tok_embeddings, word_embeddings | Rowwise (vocab) |
+| LM head | head, lm_head, output | Colwise (vocab), output left S(-1) |
+
+Column / row layers are only taken in pairs: a module whose children include both kinds.
+A module with exactly two linear children, the first expanding d -> k*d and the second
+contracting back, is an MLP whatever the names. Every style keeps DTensor outputs
+(`use_local_output=False`), so model code that views activations with global head counts
+runs unchanged; the LM head's logits stay vocab-sharded for a vocab-parallel loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from .._placement import Replicate, Shard
+from ._plan import Sharder, ShardingPlan, ShardingPlanner
+from ._style import ColwiseParallel, RowwiseParallel, module_kind
+
+__all__ = ["MegatronPlanner"]
+
+_COLWISE = frozenset({
+    "q", "k", "v", "qkv", "c_attn", "q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value",
+    "query_key_value", "Wqkv", "wq", "wk", "wv",
+    "up", "gate", "c_fc", "up_proj", "gate_proj", "gate_up_proj", "fc1", "w1", "w3", "fc_in", "dense_h_to_4h",
+})
+_ROWWISE = frozenset({
+    "proj", "c_proj", "o_proj", "out_proj", "wo", "o", "dense",
+    "down", "down_proj", "fc2", "w2", "fc_out", "dense_4h_to_h",
+})
+_EMBEDDING = frozenset({"tok", "wte", "embed_tokens", "tok_embeddings", "word_embeddings", "embed_in"})
+_HEAD = frozenset({"head", "lm_head", "output", "embed_out"})
+
+
+def _features(module: nn.Module) -> Optional[tuple[int, int]]:
+    """(in, out) features of a linear-like module, else None."""
+    kind = module_kind(module)
+    if kind == "linear":
+        assert isinstance(module, nn.Linear)
+        return module.in_features, module.out_features
+    if kind == "conv1d":
+        w = getattr(module, "weight")
+        return int(w.shape[0]), int(w.shape[1])
+    return None
+
+
+def _expands_then_contracts(first: tuple[int, int], second: tuple[int, int]) -> bool:
+    (d, hidden), (hidden2, d2) = first, second
+    return hidden == hidden2 and d == d2 and hidden % d == 0 and hidden // d >= 2
+
+
+@dataclass(frozen=True)
+class MegatronPlanner(ShardingPlanner):
+    """The built-in planner: Megatron tensor parallelism for standard transformer blocks.
+
+    >>> class MLP(nn.Module):
+    ...     def __init__(self) -> None:
+    ...         super().__init__()
+    ...         self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 8)
+    >>> sorted(MegatronPlanner().build_plan(MLP()).plan.items())  # doctest: +NORMALIZE_WHITESPACE
+    [('a', ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(dim=-1), use_local_output=False,
+                           src_data_rank=0)),
+     ('b', RowwiseParallel(input_layouts=None, output_layouts=Replicate(), use_local_output=False,
+                           src_data_rank=0))]
+    """
+
+    def build_plan(self, module: nn.Module) -> ShardingPlan:
+        colwise = ColwiseParallel(use_local_output=False)
+        rowwise = RowwiseParallel(use_local_output=False)
+        embedding = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=False)
+        head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+
+        vocab = {m.num_embeddings for n, m in module.named_modules() if isinstance(m, nn.Embedding) and n.rsplit(".", 1)[-1] in _EMBEDDING}
+        plan: dict[str, Sharder] = {}
+        for path, m in module.named_modules():
+            name = path.rsplit(".", 1)[-1]
+            kind = module_kind(m)
+            if kind == "embedding" and name in _EMBEDDING:
+                plan[path] = embedding
+            elif kind == "linear" and name in _HEAD and path not in plan:
+                assert isinstance(m, nn.Linear)
+                if not vocab or m.out_features in vocab:
+                    plan[path] = head
+            if kind is not None:
+                continue
+            prefix = f"{path}." if path else ""
+            linears = [(n, c) for n, c in m.named_children() if _features(c) is not None]
+            cols = [n for n, _ in linears if n in _COLWISE]
+            rows = [n for n, _ in linears if n in _ROWWISE]
+            if cols and rows:
+                plan.update({prefix + n: colwise for n in cols})
+                plan.update({prefix + n: rowwise for n in rows})
+            elif len(linears) == 2:
+                (n1, c1), (n2, c2) = linears
+                f1, f2 = _features(c1), _features(c2)
+                if f1 is not None and f2 is not None and _expands_then_contracts(f1, f2):
+                    plan[prefix + n1] = colwise
+                    plan[prefix + n2] = rowwise
+        order = {path: i for i, (path, _) in enumerate(module.named_modules())}
+        return ShardingPlan(dict(sorted(plan.items(), key=lambda kv: order[kv[0]])))

@@ -1,0 +1,165 @@
+"""Applying plans: `shard_module` (any `ShardingPlan`) and `parallelize_module` (tensor-parallel styles).
+
+There is one mechanism. `parallelize_module`'s dict of module patterns -> styles is a
+`ShardingPlan` like any other, so it gets the same all-at-once validation before any
+communication, the same tied-weight handling and the same replication of everything the
+plan does not mention. Applying goes: check the whole plan (pure), place the parameters
+the plan names, run the sharders in plan order, replicate the rest, then hook outputs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import fields, is_dataclass, replace
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from .._mesh import DeviceMesh, get_current_mesh
+from .._tensor import DTensor
+from ._distribute import Ties, distribute_module, place_parameter
+from ._plan import Layout, Sharder, ShardingPlan, ShardingPlanner, layout_to_placements, resolve
+from ._style import ParallelStyle
+
+__all__ = ["shard_module", "parallelize_module"]
+
+
+def _mesh(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
+    mesh = device_mesh if device_mesh is not None else get_current_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what} needs a DeviceMesh, got {type(mesh).__name__}")
+    return mesh
+
+
+def _split(name: str) -> tuple[str, str]:
+    path, _, attr = name.rpartition(".")
+    return path, attr
+
+
+def shard_module(
+    module: nn.Module,
+    plan: Union[ShardingPlan, ShardingPlanner],
+    device_mesh: Optional[DeviceMesh] = None,
+    *,
+    src_data_rank: Optional[int] = 0,
+) -> nn.Module:
+    """Shard `module` in place by `plan` (or by the plan a `ShardingPlanner` builds for it); returns it.
+
+    The whole plan is checked first against the module and the mesh shape, with no
+    communication; every problem is raised in one ValueError. Then: parameters named in
+    the plan are distributed to their layouts, each `Sharder` shards the submodules its
+    pattern matches, every parameter and buffer still plain is replicated (as
+    `distribute_module` does), and `output_plan` / `return_local_tensor` hooks are
+    installed. A tied parameter is distributed once and stays one parameter.
+    `src_data_rank` is the rank whose values are distributed (None: each rank's own).
+    """
+    mesh = _mesh(device_mesh, "shard_module")
+    if isinstance(plan, ShardingPlanner):
+        plan = plan.build_plan(module)
+    if not isinstance(plan, ShardingPlan):
+        raise TypeError(f"shard_module takes a ShardingPlan or a ShardingPlanner, got {type(plan).__name__}")
+    resolved = resolve(plan, module, mesh)
+
+    ties = Ties(module)
+    for name, placements, order in resolved.params:
+        path, attr = _split(name)
+        place_parameter(
+            module.get_submodule(path), attr, placements, mesh, shard_order=order, src_data_rank=src_data_rank, where=name
+        )
+        ties.retie()
+    for path, sharder in resolved.sharders:
+        sub = module.get_submodule(path)
+        new = sharder.shard(sub, mesh)
+        if new is not sub:
+            if not path:
+                module = new
+            else:
+                parent, attr = _split(path)
+                setattr(module.get_submodule(parent), attr, new)
+        ties.retie()
+    distribute_module(module, mesh)
+
+    for path, layout in resolved.outputs:
+        module.get_submodule(path).register_forward_hook(_output_layout_hook(path, layout, mesh))
+    for path in resolved.local:
+        module.get_submodule(path).register_forward_hook(_local_output_hook(path))
+    return module
+
+
+def _each_dtensor(out: Any, fn: Callable[[DTensor], Any], where: str) -> Any:
+    if isinstance(out, DTensor):
+        return fn(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_each_dtensor(o, fn, where) for o in out)
+    if isinstance(out, torch.Tensor):
+        raise TypeError(
+            f"{where}: module returned a plain tensor, not a DTensor; output_plan and return_local_tensor apply "
+            f"to distributed outputs (drop the module from them, or have its style return DTensors)"
+        )
+    return out
+
+
+def _output_layout_hook(path: str, layout: Layout, mesh: DeviceMesh) -> Callable[..., Any]:
+    def move(t: DTensor) -> DTensor:
+        placements, order = layout_to_placements(layout, mesh, t.ndim)
+        return t.redistribute(mesh, placements, shard_order=order)
+
+    return lambda _m, _args, out: _each_dtensor(out, move, f"output_plan[{path!r}]")
+
+
+def _local_output_hook(path: str) -> Callable[..., Any]:
+    return lambda _m, _args, out: _each_dtensor(out, lambda t: t.to_local(), f"return_local_tensor {path!r}")
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh: Optional[DeviceMesh] = None,
+    parallelize_plan: Union[ParallelStyle, Mapping[str, ParallelStyle], None] = None,
+    *,
+    src_data_rank: Optional[int] = 0,
+) -> nn.Module:
+    """Apply tensor-parallel styles: one style to `module`, or a dict of module patterns -> styles.
+
+    Patterns match module paths atom by atom (`"blocks.*.attn.q"`); `""` is `module` itself.
+    `device_mesh` must be 1-D: on an n-D mesh pass the tensor-parallel sub-mesh
+    (`mesh["tp"]`). The dict becomes a `ShardingPlan` and goes through `shard_module`, so
+    every pattern that matches nothing and every style on a module it cannot shard is
+    reported in one ValueError before any communication (torch warns and skips), and
+    parameters of modules the plan does not mention are replicated on the mesh.
+    """
+    mesh = _mesh(device_mesh, "parallelize_module")
+    if mesh.ndim != 1:
+        names = f" with dims {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
+        raise ValueError(
+            f"parallelize_module takes a 1-D mesh, got shape {mesh.shape}{names}: pass the tensor-parallel "
+            f"sub-mesh, e.g. mesh['tp']"
+        )
+    if parallelize_plan is None:
+        warnings.warn("parallelize_module got no parallelize_plan: nothing to do", stacklevel=2)
+        return module
+    if isinstance(parallelize_plan, Sharder):
+        styles: dict[str, Sharder] = {"": parallelize_plan}
+    elif isinstance(parallelize_plan, Mapping):
+        styles = dict(parallelize_plan)
+        bad = [f"{k!r}: {type(v).__name__}" for k, v in styles.items() if not isinstance(v, Sharder)]
+        if bad:
+            raise TypeError(f"parallelize_plan maps module patterns to ParallelStyles; these are not: {', '.join(bad)}")
+    else:
+        raise TypeError(
+            f"parallelize_plan must be a ParallelStyle or a dict of module patterns -> ParallelStyle, "
+            f"got {type(parallelize_plan).__name__}"
+        )
+    styles = {k: _with_src(v, src_data_rank) for k, v in styles.items()}
+    return shard_module(module, ShardingPlan(styles), mesh, src_data_rank=src_data_rank)
+
+
+def _with_src(style: Sharder, src_data_rank: Optional[int]) -> Sharder:
+    """The style with `src_data_rank` set (a new value; styles are frozen), if it has that field."""
+    value: Any = style
+    names = {f.name for f in fields(value)} if is_dataclass(value) and not isinstance(value, type) else set()
+    if "src_data_rank" in names and value.src_data_rank != src_data_rank:
+        new: Sharder = replace(value, src_data_rank=src_data_rank)
+        return new
+    return style

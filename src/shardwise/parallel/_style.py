@@ -1,0 +1,385 @@
+"""Tensor-parallel styles: frozen, declarative `Sharder`s for one module (Megatron's column / row split).
+
+A style is a value (a frozen dataclass); applying it to a module places the module's
+parameters and installs hooks, and never changes the style, so one style object can be
+shared by every layer of a plan. The styles mirror `torch.distributed.tensor.parallel`:
+
+| style | nn.Linear (weight (out, in)) | nn.Embedding (weight (vocab, dim)) | Conv1D (weight (in, out)) | input -> output |
+|---|---|---|---|---|
+| ColwiseParallel | weight S(0), bias S(0) | weight S(1) | weight S(1), bias S(0) | R -> S(-1) |
+| RowwiseParallel | weight S(1), bias R | weight S(0) (vocab) | weight S(0), bias R | S(-1) (ids: R) -> P -> R |
+
+In Megatron's terms a column-parallel layer is `f` (identity forward, all-reduce of the
+input gradient backward) and a row-parallel layer is `g` (all-reduce of the partial
+output forward): here both fall out of the DTensor layouts; the hooks only declare them.
+Input hooks wrap plain tensors as DTensors of the declared `input_layouts` (each rank's
+piece, no check) and redistribute to what the module needs; output hooks redistribute to
+`output_layouts` and return local tensors when `use_local_output`. A plain input wrapped
+as `Shard(d)` is taken as an even piece (global size = local size x ranks), as in torch:
+where a split is uneven, keep DTensors between layers (`use_local_output=False`).
+
+`Conv1D` is Hugging Face GPT-2's linear layer with a transposed weight; it is recognised by
+its shape (a 2-D `weight` whose second dim is the module's `nf`), not by importing it.
+
+Differences from torch, on purpose: an input that already is a DTensor is redistributed
+to the layout the module needs whatever its placements (torch compares only declared
+layouts); `RowwiseParallel()` on an embedding takes replicated ids by default (torch's
+`Shard(-1)` default would read the ids as sequence pieces); `src_data_rank` is a field,
+set with `dataclasses.replace`, not by mutating the style.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Union, cast
+
+import torch
+from torch import nn
+
+from .._mesh import AbstractMesh, DeviceMesh
+from .._placement import Placement, Replicate, Shard
+from .._tensor import DTensor
+from ._distribute import distribute_module, place_parameter
+from ._plan import FrozenMap, Sharder
+
+__all__ = [
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+]
+
+Layouts = tuple[Optional[Placement], ...]  # canonical: one entry per input / output
+LayoutsLike = Union[Placement, Sequence[Optional[Placement]]]
+
+
+def module_kind(module: nn.Module) -> Optional[str]:
+    """'linear', 'embedding' or 'conv1d' (HF GPT-2's transposed linear, by duck typing), else None."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    w, nf = getattr(module, "weight", None), getattr(module, "nf", None)
+    if isinstance(w, torch.Tensor) and w.ndim == 2 and isinstance(nf, int) and w.shape[1] == nf:
+        return "conv1d"
+    return None
+
+
+def _one_placement(value: Any, what: str, default: Optional[Placement]) -> Optional[Placement]:
+    if value is None:
+        return default
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, Placement):
+        raise TypeError(f"{what} must be a Placement (Shard(d), Replicate() or Partial()), got {value!r}")
+    return value
+
+
+def _layouts(value: Any, what: str) -> Optional[Layouts]:
+    if value is None:
+        return None
+    items = (value,) if isinstance(value, Placement) else value
+    if not isinstance(items, (tuple, list)) or not all(p is None or isinstance(p, Placement) for p in items):
+        raise TypeError(f"{what} must be a Placement or a tuple of Placement / None (one per input), got {value!r}")
+    return tuple(items)
+
+
+def _as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, where: str) -> DTensor:
+    if isinstance(x, DTensor):
+        return x
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where} expected a tensor to lay out as {layout}, got {type(x).__name__}")
+    return DTensor.from_local(x, mesh, (layout,), run_check=False)
+
+
+def _moved(x: DTensor, layout: Optional[Placement]) -> DTensor:
+    return x if layout is None else x.redistribute(placements=(layout,))
+
+
+def _finish(x: DTensor, use_local: bool) -> Union[DTensor, torch.Tensor]:
+    return x.to_local() if use_local else x
+
+
+@dataclass(frozen=True)
+class ParallelStyle(Sharder):
+    """A tensor-parallel `Sharder` for one module on a 1-D mesh; subclasses are frozen dataclasses."""
+
+    def shard(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        problems = self.validate(module, device_mesh)
+        if problems:
+            raise ValueError(f"{self!r} cannot shard {type(module).__name__}:\n" + "\n".join(f"  - {p}" for p in problems))
+        return self._apply(module, device_mesh)
+
+    def validate(self, module: nn.Module, device_mesh: AbstractMesh) -> list[str]:
+        if device_mesh.ndim != 1:
+            names = f" with dims {device_mesh.mesh_dim_names}" if device_mesh.mesh_dim_names else ""
+            return [
+                f"{type(self).__name__} needs a 1-D mesh, got shape {device_mesh.shape}{names}: pass the "
+                f"tensor-parallel sub-mesh, e.g. mesh['tp']"
+            ]
+        return []
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _apply")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _LinearStyle(ParallelStyle):
+    """What Colwise and Rowwise share: which modules they take, parameter placement, the hooks."""
+
+    input_layouts: Optional[Placement] = None
+    output_layouts: Optional[Placement] = None
+    use_local_output: bool = True
+    src_data_rank: Optional[int] = 0
+
+    _PARAMS: ClassVar[Mapping[str, Mapping[str, Placement]]] = {}  # module kind -> parameter -> placement
+    _NEEDS: ClassVar[Mapping[str, Placement]] = {}  # module kind -> the input layout it computes on
+
+    def validate(self, module: nn.Module, device_mesh: AbstractMesh) -> list[str]:
+        problems = super().validate(module, device_mesh)
+        if module_kind(module) is None:
+            problems.append(
+                f"{type(self).__name__} cannot apply to {type(module).__name__}: it shards nn.Linear, nn.Embedding "
+                f"and Conv1D (a 2-D `weight` of shape (in, nf) and an `nf` attribute); use SequenceParallel or "
+                f"PrepareModuleInput / PrepareModuleOutput for other modules, or leave it out of the plan to replicate it"
+            )
+        return problems
+
+    def param_layouts(self, module: nn.Module, device_mesh: AbstractMesh) -> Mapping[str, tuple[Placement, ...]]:
+        kind = module_kind(module)
+        return {} if kind is None else {k: (p,) for k, p in self._PARAMS[kind].items()}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        kind = module_kind(module)
+        assert kind is not None  # validate() ran in shard()
+        layouts = self.param_layouts(module, device_mesh)
+        src = self.src_data_rank
+
+        def partition(name: str, m: nn.Module, mesh: DeviceMesh) -> None:
+            if m is module:
+                for attr, pl in layouts.items():
+                    if m._parameters.get(attr) is not None:
+                        place_parameter(m, attr, pl, mesh, src_data_rank=src, where=f"{type(m).__name__}.{attr}")
+
+        needs, out = self._NEEDS[kind], self.output_layouts
+        assert out is not None  # set in __post_init__
+        return distribute_module(
+            module,
+            device_mesh,
+            partition,
+            functools.partial(_prepare_first_input, self.input_layouts or needs, needs, type(self).__name__),
+            functools.partial(_prepare_output, out, self.use_local_output, type(self).__name__),
+        )
+
+
+def _prepare_first_input(layout: Placement, desired: Placement, style: str, mod: nn.Module, inputs: tuple[Any, ...],
+                         mesh: DeviceMesh) -> tuple[Any, ...]:
+    if not inputs:
+        raise ValueError(f"{style} on {type(mod).__name__} needs a positional input tensor, got none")
+    x = _moved(_as_dtensor(inputs[0], mesh, layout, f"{style} on {type(mod).__name__}"), desired)
+    return (x, *inputs[1:])
+
+
+def _prepare_output(layout: Placement, use_local: bool, style: str, mod: nn.Module, outputs: Any,
+                    mesh: DeviceMesh) -> Any:
+    if not isinstance(outputs, DTensor):
+        raise TypeError(f"{style} on {type(mod).__name__} expected a DTensor output, got {type(outputs).__name__}")
+    return _finish(_moved(outputs, layout), use_local)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColwiseParallel(_LinearStyle):
+    """Split a Linear / Conv1D by output features (an Embedding by embedding dim): input R, output S(-1).
+
+    >>> ColwiseParallel()
+    ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(dim=-1), use_local_output=True, src_data_rank=0)
+    """
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_layouts", _one_placement(self.input_layouts, "input_layouts", Replicate()))
+        object.__setattr__(self, "output_layouts", _one_placement(self.output_layouts, "output_layouts", Shard(-1)))
+
+    _PARAMS: ClassVar[Mapping[str, Mapping[str, Placement]]] = {
+        "linear": {"weight": Shard(0), "bias": Shard(0)},
+        "embedding": {"weight": Shard(1)},
+        "conv1d": {"weight": Shard(1), "bias": Shard(0)},
+    }
+    _NEEDS: ClassVar[Mapping[str, Placement]] = {"linear": Replicate(), "embedding": Replicate(), "conv1d": Replicate()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowwiseParallel(_LinearStyle):
+    """Split a Linear / Conv1D by input features (an Embedding by vocab): input S(-1), output P -> R.
+
+    `input_layouts=None` means the module's natural input: `Shard(-1)` for Linear / Conv1D,
+    `Replicate()` (token ids) for an Embedding.
+
+    >>> RowwiseParallel(use_local_output=False)
+    RowwiseParallel(input_layouts=None, output_layouts=Replicate(), use_local_output=False, src_data_rank=0)
+    """
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_layouts", _one_placement(self.input_layouts, "input_layouts", None))
+        object.__setattr__(self, "output_layouts", _one_placement(self.output_layouts, "output_layouts", Replicate()))
+
+    _PARAMS: ClassVar[Mapping[str, Mapping[str, Placement]]] = {
+        "linear": {"weight": Shard(1), "bias": Replicate()},
+        "embedding": {"weight": Shard(0)},
+        "conv1d": {"weight": Shard(0), "bias": Replicate()},
+    }
+    _NEEDS: ClassVar[Mapping[str, Placement]] = {"linear": Shard(-1), "embedding": Replicate(), "conv1d": Shard(-1)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceParallel(ParallelStyle):
+    """Replicate a module's parameters and run it on inputs split along `sequence_dim` (norms, dropout).
+
+    A plain input is taken as this rank's piece of the sequence; a DTensor input is
+    redistributed to `Shard(sequence_dim)`. The output stays split along the sequence.
+    """
+
+    sequence_dim: int = 1
+    use_local_output: bool = False
+    src_data_rank: Optional[int] = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sequence_dim, bool) or not isinstance(self.sequence_dim, int):
+            raise TypeError(f"sequence_dim must be an int tensor dim, got {self.sequence_dim!r}")
+
+    def param_layouts(self, module: nn.Module, device_mesh: AbstractMesh) -> Mapping[str, tuple[Placement, ...]]:
+        return {name: (Replicate(),) * device_mesh.ndim for name, _ in module.named_parameters(remove_duplicate=False)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        seq = Shard(self.sequence_dim)
+        return distribute_module(
+            module,
+            device_mesh,
+            None,
+            functools.partial(_prepare_first_input, seq, seq, type(self).__name__),
+            functools.partial(_prepare_output, seq, self.use_local_output, type(self).__name__),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareModuleInput(ParallelStyle):
+    """Lay out a module's inputs: wrap plain tensors as `input_layouts`, redistribute to `desired_input_layouts`.
+
+    One entry per positional input (`None` leaves that input alone); keyword inputs by name.
+    The module's parameters are not touched.
+    """
+
+    input_layouts: Optional[LayoutsLike] = None
+    desired_input_layouts: Optional[LayoutsLike] = None
+    input_kwarg_layouts: Optional[Mapping[str, Placement]] = None
+    desired_input_kwarg_layouts: Optional[Mapping[str, Placement]] = None
+    use_local_output: bool = False
+
+    def __post_init__(self) -> None:
+        ins = _layouts(self.input_layouts, "input_layouts")
+        want = _layouts(self.desired_input_layouts, "desired_input_layouts")
+        if ins is not None and (want is None or len(want) != len(ins)):
+            raise ValueError(
+                f"PrepareModuleInput got input_layouts={ins} and desired_input_layouts={want}: give one desired "
+                f"layout per input layout (None for inputs to leave as they are)"
+            )
+        object.__setattr__(self, "input_layouts", ins)
+        object.__setattr__(self, "desired_input_layouts", want)
+        kw = self._kwarg_map(self.input_kwarg_layouts, "input_kwarg_layouts")
+        kw_want = self._kwarg_map(self.desired_input_kwarg_layouts, "desired_input_kwarg_layouts")
+        if kw_want is not None and set(kw_want) != set(kw or {}):
+            raise ValueError(
+                f"PrepareModuleInput got input_kwarg_layouts for {sorted(kw or {})} and desired_input_kwarg_layouts "
+                f"for {sorted(kw_want)}: give both for the same keyword inputs"
+            )
+        object.__setattr__(self, "input_kwarg_layouts", kw)
+        object.__setattr__(self, "desired_input_kwarg_layouts", kw_want)
+
+    @staticmethod
+    def _kwarg_map(value: Any, what: str) -> Optional[FrozenMap[Placement]]:
+        if value is None:
+            return None
+        if not isinstance(value, Mapping) or not all(isinstance(p, Placement) for p in value.values()):
+            raise TypeError(f"{what} must map keyword names to Placements, got {value!r}")
+        return FrozenMap(value)
+
+    def _one(self, x: Any, layout: Optional[Placement], desired: Optional[Placement], mesh: DeviceMesh, where: str) -> Any:
+        if layout is None:
+            return x
+        return _finish(_moved(_as_dtensor(x, mesh, layout, where), desired), self.use_local_output)
+
+    def _prepare(self, mod: nn.Module, args: tuple[Any, ...], kwargs: Optional[dict[str, Any]], mesh: DeviceMesh) -> Any:
+        name = type(mod).__name__
+        ins, wants = cast(Optional[Layouts], self.input_layouts), cast(Layouts, self.desired_input_layouts)
+        if ins is not None:
+            if len(args) != len(ins):
+                raise ValueError(
+                    f"PrepareModuleInput on {name} has {len(ins)} input_layouts but the module got "
+                    f"{len(args)} positional inputs: give one layout per positional input (None to leave one alone)"
+                )
+            args = tuple(
+                self._one(x, lay, want, mesh, f"PrepareModuleInput on {name}, input {i}")
+                for i, (x, lay, want) in enumerate(zip(args, ins, wants))
+            )
+        if kwargs is None:
+            return args
+        kw_in, kw_want = self.input_kwarg_layouts or {}, self.desired_input_kwarg_layouts or {}
+        kwargs = {
+            k: self._one(v, kw_in.get(k), kw_want.get(k), mesh, f"PrepareModuleInput on {name}, input {k!r}")
+            for k, v in kwargs.items()
+        }
+        return args, kwargs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.input_kwarg_layouts is not None:
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs: self._prepare(m, args, kwargs, device_mesh), with_kwargs=True
+            )
+        else:
+            module.register_forward_pre_hook(lambda m, args: self._prepare(m, args, None, device_mesh))
+        return module
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareModuleOutput(ParallelStyle):
+    """Lay out a module's outputs: wrap plain tensors as `output_layouts`, redistribute to `desired_output_layouts`."""
+
+    output_layouts: LayoutsLike
+    desired_output_layouts: LayoutsLike
+    use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        outs = _layouts(self.output_layouts, "output_layouts")
+        want = _layouts(self.desired_output_layouts, "desired_output_layouts")
+        if outs is None or want is None or len(outs) != len(want):
+            raise ValueError(
+                f"PrepareModuleOutput got output_layouts={outs} and desired_output_layouts={want}: give one desired "
+                f"layout per output layout"
+            )
+        object.__setattr__(self, "output_layouts", outs)
+        object.__setattr__(self, "desired_output_layouts", want)
+
+    def _prepare(self, mod: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+        name = type(mod).__name__
+        items: Sequence[Any] = outputs if isinstance(outputs, tuple) else (outputs,)
+        outs, wants = cast(Layouts, self.output_layouts), cast(Layouts, self.desired_output_layouts)
+        if len(items) != len(outs):
+            raise ValueError(
+                f"PrepareModuleOutput on {name} has {len(outs)} output_layouts but the module returned "
+                f"{len(items)} outputs: give one layout per output (None to leave one alone)"
+            )
+        done = []
+        for i, (x, lay, want) in enumerate(zip(items, outs, wants)):
+            if lay is None:
+                done.append(x)
+            else:
+                dt = _moved(_as_dtensor(x, mesh, lay, f"PrepareModuleOutput on {name}, output {i}"), want)
+                done.append(_finish(dt, self.use_local_output))
+        return done[0] if len(done) == 1 else tuple(done)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda m, _args, outputs: self._prepare(m, outputs, device_mesh))
+        return module
