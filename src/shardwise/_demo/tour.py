@@ -1,8 +1,8 @@
-"""The demo job: distribute, compute, redistribute and differentiate on a (2, 2) mesh.
+"""A tour of layouts: distribute, compute, redistribute and differentiate on a (2, 2) mesh.
 
-Run it with `make demo` (four local gloo processes started by shardwise's own harness)
-or under torchrun: `torchrun --nproc-per-node=4 -m shardwise.demo`. Every result is
-checked against the same computation on one device; rank 0 prints what happened.
+`shardwise demo --tour` runs it on four local gloo processes (shardwise's own harness).
+Every result is checked against the same computation on one device; rank 0 prints what
+happened.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise import DTensor, Replicate, Shard
 
-__all__ = ["run_demo", "main"]
+__all__ = ["run_tour", "tour"]
 
 
 def _say(lines: list[str], text: str) -> None:
     lines.append(text)
 
 
-def run_demo() -> list[str]:
+def run_tour() -> list[str]:
     """The demo body, run on every rank; returns rank 0's report (other ranks return [])."""
     lines: list[str] = []
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -85,25 +85,15 @@ def run_demo() -> list[str]:
     return lines if rank == 0 else []
 
 
-def main() -> int:
-    """Run the demo on 4 local processes (or on the torchrun processes, if launched by torchrun)."""
-    import os
+def tour() -> int:
+    """Run the tour on 4 local processes and print rank 0's report."""
+    from shardwise.testing import run_distributed, shutdown_pools
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        report = run_demo()
-    else:
-        from shardwise.testing import run_distributed, shutdown_pools
-
-        try:
-            report = run_distributed(run_demo, 4, timeout=300)[0]
-        finally:
-            shutdown_pools()
+    try:
+        report = run_distributed(run_tour, 4, timeout=300)[0]
+    finally:
+        shutdown_pools()
     for line in report:
         print(line)
-    if report:
-        print("demo finished: every result equals the single-device computation")
+    print("tour finished: every result equals the single-device computation")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The main job behind `shardwise demo`: a character-level GPT trained on a (dp, tp) mesh."""
