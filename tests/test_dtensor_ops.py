@@ -265,3 +265,26 @@ def test_regression_to_local_output_mixed_back_in_gave_a_dtensor_inside_a_dtenso
         ((d + w.to_local()) * d).sum().backward()
     assert isinstance(w.grad, DTensor) and not isinstance(w.grad._local_tensor, DTensor)
     torch.testing.assert_close(w.grad.full_tensor(), d_full)
+
+
+@distributed(world_size=4)
+def test_regression_from_local_partial_avg_gave_each_term_the_full_gradient() -> None:
+    # y = from_local(x, [Partial("avg")]) is the mean of the 4 ranks' x: dy/dx_r = 1/4.
+    mesh = sw.init_device_mesh("cpu", (4,))
+    x = torch.full((3,), float(mesh.get_coordinate()[0] + 1), requires_grad=True)
+    y = DTensor.from_local(x, mesh, [Partial("avg")])
+    (y.full_tensor() * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([1.0, 2.0, 3.0]) / 4)
+
+
+@distributed(world_size=4)
+def test_regression_to_local_grad_placements_dropped_the_split_order() -> None:
+    # A (S(0), S(0)) tensor split by mesh dim 1 first: the gradient pieces came back in the
+    # default order (rank pieces [0,1,4,5,2,3,6,7] instead of [0..7]).
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    full = torch.arange(8.0).reshape(8, 1)
+    x = sw.distribute_tensor(full, mesh, [Shard(0), Shard(0)], shard_order={0: (1, 0)}).requires_grad_()
+    local = x.to_local(grad_placements=[Shard(0), Shard(0)])
+    (local * local.detach()).sum().backward()  # d/dx = x, piece by piece
+    assert x.grad.shard_order == {0: (1, 0)}
+    torch.testing.assert_close(x.grad.full_tensor(), full)

@@ -61,6 +61,19 @@ PARALLEL = [
 ]
 
 
+SPMD = [
+    "HybridMesh", "Mesh", "ShardingSpec", "ShardingType", "clear_sharding", "disable_manual_sharding",
+    "enable_manual_sharding", "get_1d_mesh", "get_global_mesh", "mark_sharding", "mark_sharding_module",
+    "mark_sharding_with_gradients", "psum", "set_global_mesh", "shard_map",
+]
+
+
+def test_spmd_surface_is_pinned() -> None:
+    import shardwise.spmd
+
+    assert list(shardwise.spmd.__all__) == SPMD
+
+
 def test_parallel_surface_is_pinned() -> None:
     import shardwise.parallel
 

@@ -2,7 +2,8 @@
 
 It is a wrapper subclass: the outer tensor carries the global shape, dtype and autograd
 state; `_local_tensor` holds this rank's piece and `_spec` the layout. Every aten op on
-it goes through `__torch_dispatch__` (see `_dispatch.py`).
+it goes through `__torch_dispatch__` (see `_dispatch.py`); `__torch_function__` sees only
+linear and matmul first, to keep a split batch dim through them (see `_local_linear.py`).
 
 `from_local`, `to_local`, `redistribute` and `full_tensor` are autograd functions, so a
 DTensor can live in only part of a model: gradients that flow through them are the
@@ -11,6 +12,8 @@ single-device gradients, redistributed to the layout each side expects.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -18,6 +21,8 @@ import torch
 
 from .._layout import ShardOrderLike, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh
+from .._ops._utils import order_like
+from .._partition_spec import PartitionEntry, from_placements
 from .._placement import Partial, Placement, Replicate
 from .._spec import DTensorSpec
 from ._redistribute import redistribute_local
@@ -30,7 +35,8 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
-    __slots__ = ("_local_tensor", "_spec")
+    # No __slots__: `torch.utils.swap_tensors` (how `spmd.mark_sharding` turns an existing
+    # nn.Parameter into a DTensor in place) only swaps objects whose classes have the same slots.
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
@@ -48,7 +54,23 @@ class DTensor(torch.Tensor):
         r._spec = spec
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
+        # Narrow on purpose: only linear / matmul, which decompose above __torch_dispatch__ in a
+        # way that loses a split batch dim, may be handled here (see `_local_linear`); every
+        # other call runs exactly as with torch function disabled.
+        try:
+            handler = _TORCH_FUNCTION_HANDLERS.get(func)
+        except TypeError:  # an unhashable callable: never one of ours
+            handler = None
+        if handler is not None:
+            out = handler(args, kwargs or {})
+            if out is not NotImplemented:
+                return out
+        # the C pass-through (what torch runs when torch function is disabled): ~1 us per call
+        return _disabled_torch_function(func, types, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -77,6 +99,13 @@ class DTensor(torch.Tensor):
     def shard_order(self) -> dict[int, tuple[int, ...]]:
         """Tensor dim -> mesh dims that split it, outermost first (sharded dims only)."""
         return self._spec.split_orders()
+
+    @property
+    def partition_spec(self) -> tuple[PartitionEntry, ...]:
+        """The layout as a partition spec: per tensor dim, the mesh dims that split it (by name
+        when the mesh has names), major to minor; `None` where not split. A `Partial` mesh dim
+        has no partition spec: ValueError."""
+        return from_placements(self._spec.placements, self._spec.shard_order, self._spec.mesh.mesh_dim_names, self._spec.ndim)
 
     # -- conversions ---------------------------------------------------------------
     @staticmethod
@@ -107,9 +136,9 @@ class DTensor(torch.Tensor):
             return self._local_tensor
         grad_spec = self._spec
         if grad_placements is not None:
-            grad_spec = self._spec.with_placements(
-                normalize_placements(grad_placements, self._spec.mesh.ndim, self.ndim, what="grad_placements")
-            )
+            pl = normalize_placements(grad_placements, self._spec.mesh.ndim, self.ndim, what="grad_placements")
+            # this tensor's split order holds for the dims the gradient splits the same way
+            grad_spec = self._spec.with_placements(pl, order_like(pl, self._spec))
         return _ToLocal.apply(self, grad_spec)  # type: ignore[no-untyped-call,no-any-return]
 
     def redistribute(
@@ -210,7 +239,16 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None]:
-        return _grad_to(grad, ctx.spec), None
+        # each rank's piece is one term of a Partial: a Partial("avg") over n ranks counts
+        # it 1/n, so its gradient is the full gradient / n (a "sum" term's is the full one)
+        spec = ctx.spec
+        local = _grad_to(grad, spec)
+        n = math.prod(size for size, p in zip(spec.mesh.shape, spec.placements)
+                      if isinstance(p, Partial) and p.reduce_op == "avg")
+        return (local / n if n > 1 else local), None
 
 
 from ._dispatch import dispatch as _dispatch  # noqa: E402  (dispatch needs DTensor defined)
+from ._local_linear import TORCH_FUNCTION_HANDLERS as _TORCH_FUNCTION_HANDLERS  # noqa: E402
+
+_disabled_torch_function = torch._C._disabled_torch_function_impl

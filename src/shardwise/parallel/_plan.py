@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union, cast
 import torch
 from torch import nn
 
-from .._layout import ShardOrder, chunk_range, format_placements, normalize_placements, normalize_shard_order, split_orders
+from .._layout import ShardOrder, chunk_range, format_placements, normalize_placements, split_orders
 from .._mesh import AbstractMesh
-from .._placement import Placement, Replicate, Shard
+from .._partition_spec import to_placements
+from .._placement import Placement
 
 if TYPE_CHECKING:
     from .._mesh import DeviceMesh
@@ -196,39 +197,15 @@ def _mesh_dim_label(mesh: AbstractMesh, m: int) -> str:
 
 
 def layout_to_placements(layout: Layout, mesh: AbstractMesh, ndim: int) -> tuple[tuple[Placement, ...], ShardOrder]:
-    """Placements (normalized) and split order of `layout` for an `ndim`-D tensor; ValueError if invalid."""
+    """Placements (normalized) and split order of `layout` for an `ndim`-D tensor; ValueError if invalid.
+
+    A partition spec goes through `shardwise._partition_spec.to_placements`, the one
+    conversion every partition-spec API uses (missing trailing entries are None).
+    """
     if is_placements(layout):
         pl = normalize_placements(layout, mesh.ndim, ndim)
         return pl, ()
-    if len(layout) > ndim:
-        raise ValueError(
-            f"partition spec {layout} has {len(layout)} entries for a {ndim}-D tensor: give at most one per tensor dim"
-        )
-    names = mesh.mesh_dim_names or ()
-    placements: list[Placement] = [Replicate()] * mesh.ndim
-    order: dict[int, tuple[int, ...]] = {}
-    used: dict[str, int] = {}
-    for d, entry in enumerate(layout):
-        if entry is None:
-            continue
-        group = (entry,) if isinstance(entry, str) else entry
-        dims = []
-        for name in group:
-            if name not in names:
-                have = f"the mesh's dims are {names}" if names else "the mesh has no dim names (create it with mesh_dim_names=)"
-                raise ValueError(f"partition spec {layout} names mesh dim {name!r}, which does not exist: {have}")
-            if name in used:
-                raise ValueError(
-                    f"partition spec {layout} uses mesh dim {name!r} for tensor dims {used[name]} and {d}: "
-                    f"a mesh dim splits at most one tensor dim"
-                )
-            used[name] = d
-            m = names.index(name)
-            placements[m] = Shard(d)
-            dims.append(m)
-        order[d] = tuple(dims)
-    pl = tuple(placements)
-    return pl, normalize_shard_order(pl, order, ndim)
+    return to_placements(layout, mesh.shape, mesh.mesh_dim_names, ndim, exact_length=False)
 
 
 def _empty_pieces(shape: Sequence[int], pl: Sequence[Placement], order: ShardOrder, mesh: AbstractMesh) -> list[str]:
