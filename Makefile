@@ -1,10 +1,10 @@
-# The two commands: `make test` and `make demo`. Each sets up .venv on a fresh machine.
+# The two commands: `make test` and `make demo` (and `make bench`). Each sets up .venv on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardwise-installed
 
-.PHONY: test demo setup clean
+.PHONY: test demo bench setup clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m shardwise.cli demo
+
+# shardwise vs torch.distributed.tensor, side by side; JSON to bench/results/. BENCH_ARGS="--quick --only steps"
+bench: $(STAMP)
+	$(PY) -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

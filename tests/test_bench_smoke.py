@@ -1,0 +1,98 @@
+"""The benchmark suite runs end to end: `python -m bench --quick` prints every table and row and writes its JSON.
+
+One quick run (tiny shapes, 3 repeats) in a subprocess, as `make bench` would start it,
+shared by the tests below. No timing is asserted; what is asserted is that every
+benchmark row is there for both libraries, and that every row's own check passed: both
+libraries computed the single-device result, the train steps left every copy with the
+same parameters, and the dispatcher spy counted shardwise's bytes exactly as
+`shardwise.comm_log()` did (so its counts for torch can be trusted).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.overhead import MESHES, OPS
+from bench.redistribute import CASES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"python -m bench --quick exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert out.exists(), f"no JSON written to {out}\n{proc.stdout[-2000:]}"
+    return proc, json.loads(out.read_text())
+
+
+def test_quick_run_writes_machine_info(quick_run: Any) -> None:
+    _, record = quick_run
+    machine = record["machine"]
+    for key in ("cpu_count", "torch", "timestamp", "load_average_start", "load_average_end"):
+        assert machine.get(key) is not None, f"machine info lacks {key}: {machine}"
+    assert len(machine["load_average_start"]) == 3 and len(machine["load_average_end"]) == 3
+    assert record["settings"]["quick"] is True
+    assert record["errors"] == {}
+    assert set(record["benchmarks"]) == {"overhead", "redistribute", "steps", "memory"}
+
+
+def test_every_overhead_row_is_there_for_both_libraries(quick_run: Any) -> None:
+    proc, record = quick_run
+    rows = record["benchmarks"]["overhead"]["rows"]
+    assert [(r["mesh"], r["op"]) for r in rows] == [(str(m), op) for m in MESHES for op in OPS]
+    for r in rows:
+        assert r["check"] == "ok", r
+        for key in ("plain", "shardwise_time", "torch_time", "shardwise_overhead", "torch_overhead"):
+            assert isinstance(r[key], float), (key, r)  # not the ratio: None when torch's overhead drowns in noise
+    assert "per-op overhead" in proc.stdout and "load average" in proc.stdout
+    for op in OPS:
+        assert op in proc.stdout
+
+
+def test_every_redistribute_row_has_time_and_bytes(quick_run: Any) -> None:
+    proc, record = quick_run
+    rows = record["benchmarks"]["redistribute"]["rows"]
+    want = [(str(shape), f"({s})->({d})") for shape, cases in CASES.items() for s, d in cases]
+    assert [(r["mesh"], r["transition"]) for r in rows] == want
+    for r in rows:
+        assert r["check"] == "ok", r  # results right for both; spy bytes == comm_log bytes for shardwise
+        for name in ("shardwise", "torch"):
+            assert isinstance(r[f"{name}_ms"], float) and isinstance(r[f"{name}_bytes"], int), r
+    for _, transition in want:
+        assert transition in proc.stdout
+    # A transition that moves data must show bytes for both; (R)->(S0) moves none for either.
+    moved = {r["transition"]: (r["shardwise_bytes"], r["torch_bytes"]) for r in rows if r["mesh"] == "(4,)"}
+    assert moved["(R)->(S0)"] == (0, 0) and all(b > 0 for b in moved["(S0)->(R)"])
+
+
+def test_train_steps_and_memory_rows(quick_run: Any) -> None:
+    proc, record = quick_run
+    steps = record["benchmarks"]["steps"]["rows"]
+    assert [r["model"].split()[0:2] for r in steps] == [["TP", "MLP"], ["GPT", "2"]]
+    for r in steps:
+        assert r["check"] == "ok", r  # every copy ended with the single-process parameters
+        assert all(isinstance(r[k], float) for k in ("plain_ms", "shardwise_ms", "torch_ms", "ratio")), r
+    memory = {r["who"]: r for r in record["benchmarks"]["memory"]["rows"]}
+    assert set(memory) == {"1 process", "shardwise", "torch"}
+    single = memory["1 process"]
+    for name in ("shardwise", "torch"):
+        # Half the MLP's weights live on each of the 2 ranks, so each holds less than one process does.
+        assert 0 < memory[name]["params"] < single["params"]
+        assert memory[name]["peak"] < single["peak"]
+    assert "memory of the TP MLP step" in proc.stdout and "train step" in proc.stdout
+
+
+def test_entry_point_rejects_unknown_benchmarks() -> None:
+    proc = subprocess.run([sys.executable, "bench/run.py", "--only", "overhead,nope"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "nope" in proc.stderr and "overhead,redistribute,steps,memory" in proc.stderr
