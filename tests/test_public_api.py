@@ -68,6 +68,22 @@ SPMD = [
 ]
 
 
+PIPELINE = [
+    "Action", "Batch", "DeferredBatchNorm", "DistributedPipe", "GPipe", "Namespace", "Pipe", "PipelineError",
+    "PipelineStage", "Schedule", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "Timeline",
+    "TimelineEvent", "balance_by_size", "balance_by_time", "balance_cost", "check", "clock_cycles",
+    "current_timeline", "gather", "inspect_skip_layout", "is_checkpointing", "is_recomputing", "pop", "scatter",
+    "skip", "skippable", "split_module", "stash", "verify_skippables",
+]
+
+
+def test_pipeline_surface_is_pinned() -> None:
+    import shardwise.pipeline
+
+    assert list(shardwise.pipeline.__all__) == PIPELINE
+    assert shardwise.pipeline.GPipe is shardwise.pipeline.Pipe  # torchgpipe's name
+
+
 def test_spmd_surface_is_pinned() -> None:
     import shardwise.spmd
 

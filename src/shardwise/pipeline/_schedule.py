@@ -236,7 +236,3 @@ def _check_sizes(**sizes: int) -> None:
     if bad:
         raise ValueError(f"schedule sizes must be positive integers, got {', '.join(bad)}")
 
-# Old names, kept until the multi-process runtime (being written) moves to the new ones.
-GPipe = ScheduleGPipe
-OneFOneB = Schedule1F1B
-InterleavedOneFOneB = ScheduleInterleaved1F1B

@@ -1,0 +1,354 @@
+"""`DistributedPipe`: an `nn.Sequential` cut into stages on the ranks of a mesh's `pp` dim,
+trained with GPipe, 1F1B or interleaved 1F1B, skips sent straight from stash to pop.
+
+Every rank builds the same `DistributedPipe(module, balance, mesh, ...)`; each keeps only
+the partitions its schedule gives it (`schedule.rank_stages`), and `step(input, target)`
+runs that rank's actions in the schedule's `rank_order`: a forward receives its input
+(and the skips it pops) from the ranks that made them, runs, and posts its output (and
+the skips it stashes) without waiting; a backward receives the output's gradient (and
+its skips' gradients) and posts the input's gradient back. Because sends never block,
+following `rank_order` cannot deadlock (see `_schedule`).
+
+Loss rule: the last stage computes `loss_fn(output_i, target_i)` per micro-batch, which
+should be a mean over the micro-batch's rows, and weights it by the micro-batch's share
+of the rows, `n_i / N` (from the target's micro-batches; `1 / m` without a target). The
+step's loss, `sum_i n_i / N * loss_i`, is then the mean over the whole batch, equal micro-
+batches or not, and the gradients are that loss's gradients. `step` returns it on the
+rank holding the last stage and `None` elsewhere. Only the first stage's rank reads
+`input`, only the last stage's rank reads `target` (other ranks may pass `None`).
+
+With a `dp` mesh dim, each data-parallel replica runs its own pipeline on its own batch
+(as under DDP, each rank passes its replica's share), and after the step each rank
+averages its parameters' gradients over its dp group, bucketed, one `all_reduce` per
+bucket; a parameter that no replica gave a gradient keeps `grad=None`.
+
+Failures: a stage that raises tells every stage waiting on it (see `_wire`), which tell
+theirs, and all stop; at the end of every step the pp ranks compare outcomes (one small
+all_gather), so a rank that had finished its part still fails when another did. The
+failing rank re-raises its own exception; the others raise `PipelineError` naming their
+stage, rank, micro-batch, what they waited for and where the failure began. A dead
+process is noticed when its connection closes or after `SHARDWISE_COLLECTIVE_TIMEOUT`.
+After a failure the pipe refuses further steps (its channels may hold stale messages).
+
+Point-to-point messages use a process group of their own per pp slice, created by every
+process like a mesh's groups; `close()` releases it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import _comm as comm
+from .._mesh import DeviceMesh, collective_timeout
+from ._microbatch import BatchValue, gather
+from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from ._stage import PipelineStage, split_module
+from ._step import StepRun
+from ._wire import ChannelPlan, PipelineError, RemoteFailure, Wire
+from .skip._layout import inspect_skip_layout
+
+__all__ = ["DistributedPipe", "PipelineError"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+LossFn = Callable[..., Tensor]
+
+
+class DistributedPipe(nn.Module):
+    """`module` as a pipeline over `mesh`'s `pp_dim` (see the module docstring).
+
+    Args:
+        module: the layers, in order (`@skippable` layers may stash and pop across stages).
+        balance: layers per stage; `len(balance)` stages, the pp size of them for `"gpipe"`
+            and `"1f1b"`, a multiple of it for `"interleaved"` (stage `s` on pp rank `s % pp`).
+        mesh: a `DeviceMesh` with dim `pp_dim`, and optionally a data-parallel dim.
+        dp_dim: the data-parallel mesh dim (default: `"dp"` when the mesh has one).
+        schedule: `"gpipe"` (fill-drain), `"1f1b"` or `"interleaved"` (1F1B with
+            `virtual_stages` stages per rank; `chunks` must be a multiple of the pp size).
+        chunks: micro-batches per step (`Tensor.chunk` along dim 0; each must be non-empty).
+        checkpoint: `"always"`, `"except_last"` (every micro-batch but the last) or `"never"`.
+        loss_fn: `loss_fn(output, target)` (or `loss_fn(output)`), a mean over the micro-batch.
+        device: where this rank's stages live (default: cpu, or the current CUDA device).
+        bucket_cap_mb: size of the gradient buckets averaged over dp.
+
+    `parameters()` and `partitions` hold this rank's stages only (`partitions["2"]` is stage
+    2), so an optimizer built on `pipe.parameters()` steps what this rank trains. On two
+    processes (``torchrun --nproc-per-node=2 train.py``)::
+
+        mesh = shardwise.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+        pipe = DistributedPipe(model, [4, 4], mesh, schedule="1f1b", chunks=4, loss_fn=F.mse_loss)
+        optimizer = torch.optim.AdamW(pipe.parameters())
+        for x, y in batches:
+            optimizer.zero_grad()
+            loss = pipe.step(x, y)  # the batch's mean loss on rank 1 (last stage), None on rank 0
+            optimizer.step()
+        pipe.close()
+    """
+
+    partitions: nn.ModuleDict
+
+    def __init__(self, module: nn.Sequential, balance: Sequence[int], mesh: DeviceMesh, *, pp_dim: str = "pp",
+                 dp_dim: Optional[str] = None, schedule: str = "gpipe", virtual_stages: Optional[int] = None,
+                 chunks: int = 1, checkpoint: str = "except_last", loss_fn: Optional[LossFn] = None,
+                 device: Optional[torch.device | str] = None, bucket_cap_mb: float = 25.0) -> None:
+        super().__init__()
+        balance = list(balance)
+        dp_dim = _check_arguments(mesh, pp_dim, dp_dim, schedule, virtual_stages, len(balance), chunks)
+        partitions = split_module(module, balance, chunks=chunks, checkpoint=checkpoint)
+        pp = mesh.size(pp_dim)
+        self.mesh, self.pp_dim, self.dp_dim = mesh, pp_dim, dp_dim
+        self.chunks, self.checkpoint, self.loss_fn, self.balance = chunks, checkpoint, loss_fn, balance
+        self.bucket_cap_mb = bucket_cap_mb
+        self.schedule: Schedule = (ScheduleGPipe(len(balance), chunks) if schedule == "gpipe" else
+                                   Schedule1F1B(len(balance), chunks) if schedule == "1f1b" else
+                                   ScheduleInterleaved1F1B(pp, len(balance) // pp, chunks))
+        self.device = torch.device(device) if device is not None else _default_device(mesh)
+        self.rank = dist.get_rank()
+        self.pp_rank = mesh.get_local_rank(pp_dim)
+        pp_ranks = mesh.ranks_along(pp_dim)
+        self.skip_layout = inspect_skip_layout(partitions)  # every partition's declarations, once
+        local = self.schedule.rank_stages(self.pp_rank)
+        mine = {j: partitions[j].to(self.device) for j in local}
+        self.partitions = nn.ModuleDict({str(j): part for j, part in mine.items()})
+        self.stages = {j: PipelineStage(part, j, len(balance), self.rank) for j, part in mine.items()}
+        self.num_stages = len(balance)
+        del partitions, mine  # the other ranks' layers are not kept here
+
+        self.plan = ChannelPlan(self.num_stages, self.skip_layout,
+                                [pp_ranks[self.schedule.stage_rank(s)] for s in range(self.num_stages)])
+        self._group = _p2p_group(mesh, mesh.mesh_dim_index(pp_dim))
+        self._wire = Wire(self._group, self.device, len(self.plan.channels))
+        self._dp_group = mesh.get_group(dp_dim) if dp_dim is not None else None
+        self._dp_size = mesh.size(dp_dim) if dp_dim is not None else 1
+        self._broken: Optional[str] = None
+        self._abandoned: list[comm.P2PWork] = []  # sends no one will receive; their buffers must outlive them
+
+    # -- public -------------------------------------------------------------------------------
+
+    def step(self, input: Optional[BatchValue] = None, target: Any = None) -> Optional[Tensor]:
+        """Forward and backward of every micro-batch in the schedule's order; gradients land in
+        `.grad` of this rank's parameters (averaged over dp). Returns the loss on the last
+        stage's rank, `None` elsewhere."""
+        if self.loss_fn is None:
+            raise ValueError("step() trains, so it needs loss_fn: pass DistributedPipe(..., loss_fn=...) "
+                             "or call the pipe (forward only) for outputs")
+        run = StepRun(self, train=True)
+        self._execute(run, self.schedule.rank_order(self.pp_rank), input, target)
+        self._reduce_gradients()
+        return run.loss if self._holds(self.num_stages - 1) else None
+
+    def forward(self, input: Optional[BatchValue] = None) -> Optional[BatchValue]:
+        """Forward only, without autograd: the joined outputs on the last stage's rank, `None` elsewhere."""
+        run = StepRun(self, train=False)
+        with torch.no_grad():
+            order = [a for a in self.schedule.rank_order(self.pp_rank) if a.kind == "F"]
+            self._execute(run, order, input, None)
+        if not self._holds(self.num_stages - 1):
+            return None
+        return gather([run.outputs[i] for i in range(self.schedule.num_microbatches)])
+
+    def close(self) -> None:
+        """Release the point-to-point process group (collective: every process calls it)."""
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def extra_repr(self) -> str:
+        return (f"schedule={self.schedule!r}, balance={self.balance}, pp_rank={self.pp_rank}, "
+                f"stages={sorted(self.stages)}, checkpoint={self.checkpoint!r}")
+
+    # -- running ------------------------------------------------------------------------------
+
+    def _holds(self, stage: int) -> bool:
+        return stage in self.stages
+
+    def _execute(self, run: StepRun, order: list[Action], input: Any, target: Any) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"this DistributedPipe failed in an earlier step ({self._broken}); its channels "
+                               "may hold undelivered messages: build a new pipe (after a dead process, new "
+                               "process groups too)")
+        k = 0
+        failure: Optional[tuple[BaseException, RemoteFailure]] = None
+        try:
+            run.prepare(input, target)
+            for k, action in enumerate(order):
+                run.current = action
+                run.do(action)
+            run.current = None
+        except BaseException as exc:
+            failure = self._notify(exc, order[k:], run)
+        self._conclude(failure)
+
+    def _notify(self, exc: BaseException, remaining: list[Action], run: StepRun) -> tuple[BaseException, RemoteFailure]:
+        """Tell every stage this rank still owes a message that the step failed; return the error to raise here."""
+        action = run.current
+        where = ("before its first micro-batch" if action is None else
+                 f"in the {'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.microbatch}")
+        stage = action.stage if action is not None else min(self.stages)
+        if isinstance(exc, RemoteFailure):
+            relay = exc
+            local: BaseException = PipelineError(f"stage {stage} on rank {self.rank} stopped {where} {exc.doing}: "
+                                                 f"{exc.cause}")
+        else:
+            relay = RemoteFailure(f"stage {stage} on rank {self.rank} raised {type(exc).__name__}: {exc} ({where})",
+                                  False, stage, self.rank)
+            local = exc
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(raised by stage {stage} on rank {self.rank} {where}; the other stages were told "
+                             "and stop with PipelineError)")
+        for a in remaining:
+            for channel in self.plan.outgoing(a):
+                if (channel.index, a.microbatch) not in run.sent:
+                    run.sent.add((channel.index, a.microbatch))
+                    try:
+                        self._wire.send_failure(channel, a.microbatch, relay)
+                    except RemoteFailure:  # that stage's process is gone; it needs no news
+                        pass
+        return local, relay
+
+    def _conclude(self, failure: Optional[tuple[BaseException, RemoteFailure]]) -> None:
+        """Agree with the other pp ranks on the step's outcome; wait for the sends, or raise."""
+        if failure is not None and failure[1].died:  # a process may be gone: no collective can complete
+            self._give_up(failure[1].cause)
+            raise failure[0]
+        me = [0, -1, -1] if failure is None else [1, failure[1].origin_stage, failure[1].origin_rank]
+        pp = self.mesh.size(self.pp_dim)
+        try:
+            outcomes = comm.all_gather_ints(me, self._group, pp) if pp > 1 else [me]
+        except RuntimeError as exc:
+            self._give_up(str(exc))
+            if failure is not None:
+                raise failure[0]
+            raise PipelineError(
+                f"stages {sorted(self.stages)} on rank {self.rank} finished their part of the step, but the check "
+                f"of the step's outcome over the pp ranks failed ({exc}): another stage's process has probably "
+                "died or is stuck") from exc
+        if failure is not None:
+            self._give_up(failure[1].cause)
+            raise failure[0]
+        failed = [(stage, rank) for code, stage, rank in outcomes if code]
+        if failed:
+            origin = ", ".join(sorted({f"stage {s} on rank {r}" for s, r in failed}))
+            self._give_up(f"failure at {origin}")
+            raise PipelineError(f"stages {sorted(self.stages)} on rank {self.rank} finished their part of the step, "
+                                f"but it failed at {origin} (see that rank's error); the gradients of this step "
+                                "are partial")
+        try:
+            self._wire.finish()
+        except comm.P2PError as exc:
+            self._give_up(str(exc))
+            raise PipelineError(f"rank {self.rank}: a message of the step was never received: {exc}") from exc
+
+    def _give_up(self, reason: str) -> None:
+        self._broken = reason
+        self._abandoned += self._wire.abandon()
+
+    def _reduce_gradients(self) -> None:
+        """Average this rank's gradients over dp: one all_reduce per bucket of about `bucket_cap_mb`."""
+        if self._dp_group is None or self._dp_size == 1:
+            return
+        params = [p for p in self.parameters() if p.requires_grad]
+        for bucket in _buckets(params, self.bucket_cap_mb):
+            first = bucket[0]
+            parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+            flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in bucket], dtype=first.dtype,
+                                 device=first.device)
+            flat = torch.cat(parts + [flags])
+            try:
+                flat = comm.all_reduce(flat, self._dp_group, self._dp_size, "avg")
+            except RuntimeError as exc:
+                raise PipelineError(
+                    f"rank {self.rank}: averaging gradients over {self.dp_dim!r} failed ({exc}): a rank of another "
+                    "data-parallel replica probably failed in this step") from exc
+            offset = 0
+            for p, used in zip(bucket, flat[-len(bucket):].tolist()):
+                piece = flat[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if used:
+                    p.grad = piece.clone()
+
+
+def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], schedule: str,
+                     virtual_stages: Optional[int], num_stages: int, chunks: int) -> Optional[str]:
+    """Problems with the mesh and the schedule, raised together; returns the dp dim."""
+    problems: list[str] = []
+    names = mesh.mesh_dim_names or ()
+    if pp_dim not in names:
+        problems.append(f"pp_dim={pp_dim!r} is not a dim of the mesh (dims: {names or 'unnamed'}): build the mesh "
+                        "with mesh_dim_names=(..., 'pp', ...) or pass pp_dim=")
+    if dp_dim is None and "dp" in names and pp_dim != "dp":
+        dp_dim = "dp"
+    elif dp_dim is not None and dp_dim not in names:
+        problems.append(f"dp_dim={dp_dim!r} is not a dim of the mesh (dims: {names}): name the mesh's data-parallel "
+                        "dim, or leave dp_dim=None for a mesh without one")
+    others = [n for n in names if n not in (pp_dim, dp_dim)]
+    if others:
+        problems.append(f"mesh dims {others} are neither the pp dim ({pp_dim!r}) nor the dp dim ({dp_dim!r}): "
+                        "DistributedPipe runs over a (pp,) or (pp, dp) mesh; slice the mesh (mesh['pp', 'dp'])")
+    if schedule not in SCHEDULES:
+        problems.append(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    if pp_dim in names and schedule in SCHEDULES:
+        pp = mesh.size(pp_dim)
+        if schedule == "interleaved":
+            if num_stages % pp or num_stages == 0:
+                problems.append(f"interleaved 1F1B puts the same number of stages on each of the {pp} pp ranks, "
+                                f"but balance has {num_stages} stages: give len(balance) a multiple of {pp}")
+            elif virtual_stages is not None and virtual_stages * pp != num_stages:
+                problems.append(f"virtual_stages={virtual_stages} with {pp} pp ranks means {virtual_stages * pp} "
+                                f"stages, but balance has {num_stages}: give one balance entry per stage")
+            if isinstance(chunks, int) and chunks > 0 and chunks % pp:
+                problems.append(f"interleaved 1F1B sends micro-batches through the ranks in groups of {pp}, so "
+                                f"chunks ({chunks}) must be a multiple of {pp}")
+        else:
+            if num_stages != pp:
+                problems.append(f"schedule={schedule!r} runs one stage per pp rank, so balance needs {pp} entries "
+                                f"(got {num_stages}); use schedule='interleaved' for several stages per rank")
+            if virtual_stages not in (None, 1):
+                problems.append(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+    if problems:
+        raise ValueError(problems[0] if len(problems) == 1 else f"{len(problems)} problems with the "
+                         "DistributedPipe arguments:\n" + "\n".join(f"  - {p}" for p in problems))
+    return dp_dim
+
+
+def _default_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _p2p_group(mesh: DeviceMesh, pp_index: int) -> Any:
+    """A new process group for this rank's pp slice (every process creates every slice's, in order)."""
+    pp = mesh.shape[pp_index]
+    if pp == 1:
+        return None
+    rows = mesh.mesh.movedim(pp_index, -1).reshape(-1, pp).tolist()
+    mine = None
+    backend = "nccl" if mesh.device_type == "cuda" else None
+    for row in rows:
+        group = dist.new_group(row, timeout=collective_timeout(), backend=backend)
+        if dist.get_rank() in row:
+            mine = group
+    # A member may return from new_group before its peers have finished connecting; one exchange
+    # makes sure they have, so that close() right away cannot cut a peer's connection short.
+    comm.all_gather_ints([0], mine, pp)
+    return mine
+
+
+def _buckets(params: list[nn.Parameter], cap_mb: float) -> Iterator[list[nn.Parameter]]:
+    bucket: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if bucket and (size + nbytes > cap_mb * 2**20 or p.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(p)
+        size += nbytes
+    if bucket:
+        yield bucket
+

@@ -1,0 +1,144 @@
+"""One training (or forward-only) step of a `DistributedPipe` on one rank: the actions themselves.
+
+`StepRun` holds what a step keeps between actions: this rank's micro-batches (first
+stage) and targets (last stage), one skip tracker per micro-batch, the received inputs
+and the stage outputs whose backward is still to come. `do(action)` runs one forward or
+backward of the schedule, receiving what it needs and posting what it owes through the
+pipe's `Wire`; the pipe runs the actions in the schedule's order and handles failures.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import Tensor
+
+from ._microbatch import Batch, BatchValue, check, scatter
+from ._schedule import Action
+from ._stage import SkipTrackerThroughRanks
+from ._timeline import current_timeline
+from ._wire import Channel
+
+if TYPE_CHECKING:
+    from ._runtime import DistributedPipe
+
+__all__ = ["StepRun"]
+
+
+class StepRun:
+    """One step's state on one rank: micro-batches, per-micro-batch trackers, what backward needs."""
+
+    def __init__(self, pipe: DistributedPipe, *, train: bool) -> None:
+        self.pipe, self.train = pipe, train
+        m = pipe.schedule.num_microbatches
+        self.trackers = [SkipTrackerThroughRanks(pipe.skip_layout) for _ in range(m)]
+        self.batches: list[Batch] = []
+        self.targets: list[Any] = []
+        self.weights: list[float] = [1.0 / m] * m
+        self.inputs: dict[tuple[int, int], tuple[Tensor, ...]] = {}
+        self.kept: dict[tuple[int, int], Batch] = {}  # stage outputs (or losses) whose backward is to come
+        self.outputs: dict[int, Batch] = {}
+        self.sent: set[tuple[int, int]] = set()
+        self.loss: Optional[Tensor] = None
+        self.current: Optional[Action] = None
+        stop = {"always": m, "except_last": m - 1, "never": 0}[pipe.checkpoint]
+        self.checkpoint_stop = stop if train and pipe.training else 0
+
+    def prepare(self, input: Any, target: Any) -> None:
+        pipe, m = self.pipe, self.pipe.schedule.num_microbatches
+        if pipe._holds(0):
+            if input is None:
+                raise ValueError(f"rank {pipe.rank} holds the first stage, so it needs the input: pass it to "
+                                 "step()/the pipe on this rank")
+            check(input)
+            self.batches = _split(_to(input, pipe.device), m, "input")
+        if self.train and pipe._holds(pipe.num_stages - 1) and target is not None:
+            self.targets = [b.value for b in _split(_to(target, pipe.device), m, "target")]
+            rows = [Batch(t).tensors[0].shape[0] for t in self.targets]
+            self.weights = [r / sum(rows) for r in rows]
+
+    def do(self, a: Action) -> None:
+        timeline = current_timeline()
+        span = timeline.span(self.pipe.rank, a.stage, a.microbatch, a.kind) if timeline else nullcontext()
+        with span:
+            (self.forward if a.kind == "F" else self.backward)(a.microbatch, a.stage)
+
+    def _send(self, channel: Channel, i: int, value: Any) -> None:
+        self.pipe._wire.send(channel, i, value)
+        self.sent.add((channel.index, i))
+
+    def forward(self, i: int, s: int) -> None:
+        pipe, plan, wire, tracker = self.pipe, self.pipe.plan, self.pipe._wire, self.trackers[i]
+        if s == 0:
+            value = self.batches[i].value
+        else:
+            value = wire.receive(plan.activation[s - 1], i, requires_grad=self.train)
+            self.inputs[(i, s)] = Batch(value).tensors
+        for key in plan.popped_at[s]:
+            skip = wire.receive(plan.skip[key], i, requires_grad=self.train)
+            tracker.deliver(key, skip if isinstance(skip, Tensor) else None)
+        out = pipe.stages[s].run(value, tracker, checkpoint=i < self.checkpoint_stop)
+        stashed = dict(tracker.take_outbox())  # the layers made sure every declared stash happened
+        for key in plan.stashed_at[s]:  # in channel order, the order the popping side receives in
+            self._send(plan.skip[key], i, stashed[key])
+        if s < pipe.num_stages - 1:
+            self._send(plan.activation[s], i, out.value)
+            if self.train:
+                self.kept[(i, s)] = out
+        elif self.train:
+            assert pipe.loss_fn is not None  # step() checked
+            loss = pipe.loss_fn(out.value, self.targets[i]) if self.targets else pipe.loss_fn(out.value)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a one-element tensor (the micro-batch's mean loss), got "
+                                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, Tensor) else ''}")
+            weighted = loss.reshape(()) * self.weights[i]
+            self.kept[(i, s)] = Batch(weighted)
+            self.loss = weighted.detach() if self.loss is None else self.loss + weighted.detach()
+        else:
+            self.outputs[i] = out
+
+    def backward(self, i: int, s: int) -> None:
+        pipe, plan, wire, tracker = self.pipe, self.pipe.plan, self.pipe._wire, self.trackers[i]
+        out = self.kept.pop((i, s))
+        grads: tuple[Any, ...] = ()
+        if s < pipe.num_stages - 1:
+            received = wire.receive(plan.gradient[s + 1], i, requires_grad=False)
+            grads = received if isinstance(received, tuple) else (received,)
+        for key in plan.stashed_at[s]:
+            g = wire.receive(plan.skip_grad[key], i, requires_grad=False)
+            tracker.put_grad(key, g if isinstance(g, Tensor) else None)
+        if s == pipe.num_stages - 1:
+            roots: list[tuple[Tensor, Optional[Tensor]]] = [(out.tensor, None)] if out.tensor.requires_grad else []
+        else:  # an output the next stage did not use gets a zero gradient (skip gradients may still flow)
+            roots = [(t, g if g is not None else torch.zeros_like(t))
+                     for t, g in zip(out.tensors, grads) if t.requires_grad]
+        if roots:
+            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+        del out, roots
+        tracker.release(plan.stashed_at[s])
+        if s > 0:
+            leaves = self.inputs.pop((i, s))
+            self._send(plan.gradient[s], i, tuple(t.grad if t.requires_grad else None for t in leaves))
+        for key in plan.popped_at[s]:
+            self._send(plan.skip_grad[key], i, tracker.popped_grad(key))
+
+
+def _split(value: BatchValue, m: int, what: str) -> list[Batch]:
+    batches = scatter(value, m)
+    if len(batches) != m:
+        rows = Batch(value).tensors[0].shape[0]
+        sizes = [b.tensors[0].shape[0] for b in batches]
+        raise ValueError(f"the {what} has {rows} rows, which Tensor.chunk cuts into {len(batches)} micro-batches "
+                         f"{sizes}, not chunks={m}: every stage runs the schedule for exactly chunks micro-batches; "
+                         f"use a batch of at least {m} rows that chunk() splits {m} ways (e.g. a multiple of {m})")
+    return batches
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(v.to(device) if isinstance(v, Tensor) else v for v in value)
+    return value
