@@ -30,6 +30,7 @@ PUBLIC = [
     "Shard",
     "TensorMeta",
     "comm_log",
+    "compile",
     "current_mesh",
     "distribute_module",
     "distribute_tensor",

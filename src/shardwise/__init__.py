@@ -16,6 +16,7 @@ from ._spec import DTensorSpec, TensorMeta
 from ._ops import set_strict
 from ._tensor import (
     DTensor,
+    compile,
     distribute_tensor,
     empty,
     from_local,
@@ -46,6 +47,7 @@ __all__ = [
     "Shard",
     "TensorMeta",
     "comm_log",
+    "compile",
     "current_mesh",
     "distribute_module",
     "distribute_tensor",

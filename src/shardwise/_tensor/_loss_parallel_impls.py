@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._comm import all_reduce
+from .. import _comm as comm
 from .._mesh import DeviceMesh
 from .._ops._loss_parallel import LOSS_PARALLEL_OPS, class_dim, loss_parallel_enabled, set_loss_parallel
 from .._placement import Shard
@@ -91,7 +91,7 @@ def _mesh_dims(spec: DTensorSpec, dims: Sequence[int]) -> list[tuple[Any, int]]:
 
 def _all_reduce(t: torch.Tensor, groups: Sequence[tuple[Any, int]], op: str) -> torch.Tensor:
     for group, n in groups:
-        t = all_reduce(t, group, n, op)
+        t = comm.all_reduce(t, group, n, op)  # by module: compile() swaps it while tracing
     return t
 
 

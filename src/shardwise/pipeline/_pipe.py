@@ -16,7 +16,7 @@ Everything runs on `devices=["cpu", "cpu"]`, which is how it is tested here.
 >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 >>> pipe = Pipe(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=3)
 >>> x = torch.randn(7, 4)
->>> torch.equal(pipe(x), model(x)), len(pipe), pipe.balance
+>>> torch.allclose(pipe(x), model(x), atol=1e-6), len(pipe), pipe.balance  # matmul blocking may differ by rows
 (True, 3, [2, 1])
 """
 

@@ -1,0 +1,344 @@
+"""`compile(fn)`: run a function on DTensors once while tracing, then replay its local program.
+
+Eager DTensor code pays, per op, a plan lookup, argument rewriting and wrapper creation
+on top of the local op. For a function called again and again with the same layouts
+(a train step), all of that is the same every time: what differs is only the data. So
+the first call with a signature runs `fn` eagerly under `make_fx` over the *local*
+tensors: DTensor dispatch runs as usual and the tracer records what reaches the local
+tensors, the local aten ops, including the backward ops of any `autograd.grad` or
+`backward()` inside `fn`, and the collectives, as `shardwise::collective` nodes (see
+`_compile_comm`). Later calls with the same signature run that graph on the inputs'
+local tensors and wrap the outputs with the specs recorded at trace time: no DTensor
+dispatch, no propagation, no plan lookups, but the same collectives.
+
+The signature is the pytree structure of the arguments, each DTensor's spec and
+`requires_grad`, each plain tensor's shape, stride, dtype and device, every other value,
+grad mode, and the state `fn` may read or write besides its arguments: the parameters and
+buffers of `nn.Module` arguments, the `.grad` of every parameter, and the state tensors and
+hyperparameters of `torch.optim.Optimizer` arguments. State that `fn` rebinds (a new
+`.grad`, `zero_grad()` setting it to None, a state tensor) is rebound again on replay;
+state changed in place is changed in place by the replay. A call that creates optimizer
+state (the first step) is not kept: the next call, which finds the state, is traced.
+A compiled function called inside another's trace runs as part of that trace.
+
+What cannot be replayed is refused after the trace and that signature runs eagerly from
+then on, with a one-time warning naming the reason: values read back into Python
+(`.item()`, data-dependent shapes), random ops, collectives outside `shardwise._comm`,
+and an input DTensor whose layout `fn` changed in place. So Adam and AdamW, which read
+their step count with `.item()` unless `capturable`, run eagerly; SGD, with or without
+momentum, replays. Outputs carry no autograd history (they are detached, on the traced
+call too): the replay is not differentiable from outside, so take gradients inside `fn`.
+
+Python control flow on tensor values, and tensors `fn` reads from its closure rather than
+its arguments, are traced as they were on the first call (closure tensors by identity,
+with a one-time warning: in-place updates to them are seen; rebinding them, and the
+`.grad` a `backward()` gives them, are not): pass modules, optimizers and tensors as
+arguments. `fn` must not rebind a module's parameters or buffers (they are re-read on
+every call, so rebinding them between calls is fine).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any, Optional, Union
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .._spec import DTensorSpec
+from ._compile_comm import COLLECTIVE, collectives_as_nodes, forget_calls
+from ._dtensor import DTensor
+from ._replay_code import compile_graph
+
+__all__ = ["CompiledFunction", "compile"]
+
+# A place holding a tensor besides the arguments: (getter, setter or None when fn may not rebind it).
+_Slot = tuple[Callable[[], Any], Optional[Callable[[Any], None]]]
+
+
+def _attr_slot(obj: Any, name: str) -> _Slot:
+    return (lambda: getattr(obj, name)), (lambda v: setattr(obj, name, v))
+
+
+def _state_slot(state: dict[str, Any], name: str) -> _Slot:
+    return (lambda: state.get(name)), (lambda v: state.__setitem__(name, v))
+
+
+def _fixed_slot(value: Any) -> _Slot:
+    """A tensor fn may change in place but not rebind (a parameter, a buffer)."""
+    return (lambda: value), None
+
+
+def _keys_slot(state: dict[str, Any]) -> _Slot:
+    """The names in one parameter's optimizer state: a step that creates state changes them."""
+    return (lambda: frozenset(state)), None
+
+
+def _slots(leaves: list[Any]) -> tuple[list[_Slot], list[Hashable]]:
+    """The tensor-holding places reachable from module and optimizer arguments, and the
+    non-tensor parts of the signature they add (hyperparameters, state keys)."""
+    slots: list[_Slot] = []
+    extra: list[Hashable] = []
+    params: dict[int, Any] = {}
+    for leaf in leaves:
+        if isinstance(leaf, torch.nn.Module):
+            for param in leaf.parameters():
+                params.setdefault(id(param), param)
+            slots.extend(_fixed_slot(buffer) for buffer in leaf.buffers())
+        elif isinstance(leaf, torch.optim.Optimizer):
+            for group in leaf.param_groups:
+                extra.append(tuple(sorted((k, v) for k, v in group.items() if k != "params" and _hashable(v))))
+                for p in group["params"]:
+                    params.setdefault(id(p), p)
+                    state = leaf.state[p]  # a defaultdict: creating the empty entry here is harmless
+                    names = tuple(sorted(k for k, v in state.items() if isinstance(v, torch.Tensor)))
+                    extra.append(names)
+                    slots.extend(_state_slot(state, k) for k in names)
+                    slots.append(_keys_slot(state))
+    for p in params.values():
+        slots.append(_fixed_slot(p))
+        slots.append(_attr_slot(p, "grad"))
+    return slots, extra
+
+
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _tensor_key(t: Any) -> Hashable:
+    if t is None:
+        return None
+    if isinstance(t, DTensor):
+        return (t._spec, t.requires_grad)
+    if isinstance(t, torch.Tensor):
+        return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+    return (type(t), t) if _hashable(t) else (type(t), id(t))
+
+
+def _local(t: Any) -> Any:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# Op tags that make a graph unfit to replay: its values were read into Python at trace time,
+# or it draws random numbers whose generator state the graph does not carry.
+_DATA_DEPENDENT_TAGS = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape}
+_NOT_REPLAYABLE = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+
+def _refusal(gm: torch.fx.GraphModule) -> Optional[str]:
+    """Why this graph cannot be replayed, or None."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target is COLLECTIVE:
+            continue
+        if target in _NOT_REPLAYABLE or _DATA_DEPENDENT_TAGS.intersection(target.tags):
+            return f"{target} reads tensor values at trace time (data-dependent shape or value)"
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return f"{target} draws random numbers (the replay would repeat the traced ones)"
+        if target.namespace in ("c10d", "_c10d_functional"):
+            return f"{target} is a collective issued outside shardwise._comm"
+    return None
+
+
+class _Program:
+    """One traced signature: the graph, where its inputs come from, how to wrap its outputs."""
+
+    __slots__ = ("forward", "out_tree", "outputs", "slot_writes", "calls")
+
+    def __init__(self, gm: torch.fx.GraphModule, out_tree: Any, outputs: list[tuple[str, Any]],
+                 slot_writes: list[tuple[int, Any]], calls: list[int]) -> None:
+        self.forward = compile_graph(gm)
+        self.out_tree = out_tree
+        # per output leaf: ("dtensor", spec) | ("tensor", None) | ("input", index) | ("const", value)
+        self.outputs = outputs
+        # per rebound slot: (slot index, ("dtensor", spec) | ("tensor", None) | ("none", None))
+        self.slot_writes = slot_writes
+        self.calls = calls
+
+    def __del__(self) -> None:
+        forget_calls(self.calls)
+
+    def run(self, inputs: list[Any], slots: list[_Slot]) -> Any:
+        with torch.no_grad():
+            results = self.forward(*[_local(t) for t in inputs if isinstance(t, torch.Tensor)])
+        k = 0
+        leaves: list[Any] = []
+        for kind, info in self.outputs:
+            if kind == "dtensor":
+                leaves.append(DTensor(results[k], info, requires_grad=False))
+                k += 1
+            elif kind == "tensor":
+                leaves.append(results[k])
+                k += 1
+            elif kind == "input":
+                leaves.append(inputs[info])
+            else:
+                leaves.append(info)
+        for index, (kind, info) in self.slot_writes:
+            setter = slots[index][1]
+            assert setter is not None
+            if kind == "none":
+                setter(None)
+            else:
+                setter(DTensor(results[k], info, requires_grad=False) if kind == "dtensor" else results[k])
+                k += 1
+        return pytree.tree_unflatten(leaves, self.out_tree)
+
+
+_EAGER = object()  # a signature that runs eagerly (its trace was refused)
+_FIRST_STEP = "fn created optimizer state (a first step): later calls, with the state, are traced and replayed"
+_TRACING = [False]  # a trace is running (on this process: tracing holds `_compile_comm`'s lock)
+
+
+class CompiledFunction:
+    """`fn` traced once per signature and replayed after (see `shardwise.compile`)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+        self._programs: dict[Hashable, Union[_Program, object]] = {}
+        self._warned: set[str] = set()
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _TRACING[0]:  # called from inside another compiled function's trace: becomes part of it
+            return self._fn(*args, **kwargs)
+        leaves, tree = pytree.tree_flatten((args, kwargs))
+        slots, extra = _slots(leaves)
+        state = [get() for get, _ in slots]
+        key = (tree, torch.is_grad_enabled(), tuple(_tensor_key(x) for x in leaves),
+               tuple(_tensor_key(x) for x in state), tuple(extra))
+        program = self._programs.get(key)
+        if program is None:
+            return self._trace(key, args, kwargs, leaves, slots, state)
+        if program is _EAGER:
+            return self._fn(*args, **kwargs)
+        assert isinstance(program, _Program)
+        return program.run(leaves + state, slots)
+
+    def programs(self) -> int:
+        """How many signatures have been traced into a replayable program."""
+        return sum(isinstance(p, _Program) for p in self._programs.values())
+
+    def _trace(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
+               slots: list[_Slot], state: list[Any]) -> Any:
+        inputs = leaves + state
+        tensor_ids = {id(t): i for i, t in reversed(list(enumerate(inputs))) if isinstance(t, torch.Tensor)}
+        before = [(t._spec, t._local_tensor) if isinstance(t, DTensor) else None for t in inputs]
+        seen: dict[str, Any] = {}
+
+        def traced(*local_inputs: torch.Tensor) -> list[torch.Tensor]:
+            out = self._fn(*args, **kwargs)
+            out_leaves, seen["tree"] = pytree.tree_flatten(out)
+            seen["out"], seen["after"] = out, [get() for get, _ in slots]
+            results = [_local(t) for t in out_leaves if isinstance(t, torch.Tensor) and id(t) not in tensor_ids]
+            results += [_local(t) for t, old in zip(seen["after"], state)
+                        if t is not old and isinstance(t, torch.Tensor) and not isinstance(old, frozenset)]
+            return results
+
+        _TRACING[0] = True
+        with collectives_as_nodes() as calls:
+            # values read into Python are recorded, not refused here: `_refusal` names them after the run
+            try:
+                gm = make_fx(traced, tracing_mode="real", _error_on_data_dependent_ops=False)(
+                    *[_local(t) for t in inputs if isinstance(t, torch.Tensor)]
+                )
+            finally:
+                _TRACING[0] = False
+        out, out_tree, after = seen["out"], seen["tree"], seen["after"]
+        reason = _refusal(gm) or self._check(inputs, before, pytree.tree_leaves(out), slots, state, after)
+        if reason is not None:
+            forget_calls(calls)
+            self._programs[key] = _EAGER
+            if reason not in self._warned and reason is not _FIRST_STEP:  # a first step is expected, not a problem
+                self._warned.add(reason)
+                name = getattr(self._fn, "__qualname__", repr(self._fn))
+                warnings.warn(f"shardwise.compile({name}) runs eagerly for this signature: {reason}", stacklevel=3)
+            return out
+        gm.graph.eliminate_dead_code(lambda n: n.target is COLLECTIVE or n.is_impure())
+        gm.recompile()
+        outside = _outside_tensors(gm)
+        if outside and "outside" not in self._warned:
+            self._warned.add("outside")
+            warnings.warn(
+                f"shardwise.compile({getattr(self._fn, '__qualname__', repr(self._fn))}) replays with {outside} "
+                f"tensor(s) that fn reads from outside its arguments (a closure or global, e.g. a model's "
+                f"parameters) baked in by identity: in-place updates to them are seen, but rebinding them is not, "
+                f"nor are gradients that backward() gives them; pass the module, optimizer or tensor as an argument",
+                stacklevel=3,
+            )
+        self._programs[key] = _Program(
+            gm, out_tree, _output_kinds(pytree.tree_leaves(out), tensor_ids), _slot_writes(state, after), calls
+        )
+        # replayed outputs carry no autograd history: neither do the traced ones, so both calls agree
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t if id(t) in tensor_ids or not t.requires_grad else t.detach(), out
+        )
+
+    @staticmethod
+    def _check(inputs: list[Any], before: list[Any], out_leaves: list[Any], slots: list[_Slot],
+               state: list[Any], after: list[Any]) -> Optional[str]:
+        for t, old in zip(inputs, before):
+            if old is not None and (t._spec != old[0] or t._local_tensor is not old[1]):
+                return f"fn changed the layout of an input DTensor in place (now {t._spec.layout_str()})"
+        for old, new in zip(state, after):
+            if isinstance(old, frozenset) and new != old:
+                return _FIRST_STEP
+        return None
+
+
+def _outside_tensors(gm: torch.fx.GraphModule) -> int:
+    """Tensor constants read by ops directly: tensors fn took from outside its arguments (a
+    tensor fn builds from Python data, `torch.tensor([...])`, is copied out of its constant)."""
+    lift = torch.ops.aten.lift_fresh_copy.default
+    return sum(
+        1 for n in gm.graph.nodes
+        if n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None), torch.Tensor)
+        and any(u.target is not lift for u in n.users)
+    )
+
+
+def _output_kinds(out_leaves: list[Any], tensor_ids: dict[int, int]) -> list[tuple[str, Any]]:
+    kinds: list[tuple[str, Any]] = []
+    for t in out_leaves:
+        if isinstance(t, torch.Tensor) and id(t) in tensor_ids:
+            kinds.append(("input", tensor_ids[id(t)]))
+        elif isinstance(t, DTensor):
+            kinds.append(("dtensor", t._spec))
+        elif isinstance(t, torch.Tensor):
+            kinds.append(("tensor", None))
+        else:
+            kinds.append(("const", t))
+    return kinds
+
+
+def _slot_writes(state: list[Any], after: list[Any]) -> list[tuple[int, tuple[str, Any]]]:
+    writes: list[tuple[int, tuple[str, Any]]] = []
+    for i, (old, new) in enumerate(zip(state, after)):
+        if new is old or isinstance(old, frozenset):
+            continue
+        if new is None:
+            writes.append((i, ("none", None)))
+        else:
+            writes.append((i, ("dtensor", new._spec) if isinstance(new, DTensor) else ("tensor", None)))
+    # graph outputs list the rebound slots with a tensor in slot order; "none" writes take no output
+    return writes
+
+
+def compile(fn: Callable[..., Any]) -> CompiledFunction:
+    """Trace `fn` on its first call with each signature and replay the traced local program after.
+
+    Use as `step = shardwise.compile(step)` or `@shardwise.compile`. Arguments may be
+    DTensors, plain tensors, `nn.Module`s and optimizers (their parameters, gradients and
+    state are inputs too), and any hashable values, nested in lists, tuples and dicts.
+    Results and gradients equal eager; see the module docstring for what runs eagerly.
+    """
+    if not callable(fn):
+        raise TypeError(f"shardwise.compile takes a function, got {type(fn).__name__}: use shardwise.compile(step)")
+    return CompiledFunction(fn)
