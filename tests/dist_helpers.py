@@ -73,3 +73,13 @@ def seeded(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> to
 
 def rank() -> int:
     return dist.get_rank()
+
+
+def term_grad_scale(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> float:
+    """How much of the full gradient one rank's term of a Partial input gets: a Partial("avg")
+    over n ranks counts each term 1/n (a "sum" term counts fully)."""
+    scale = 1.0
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Partial) and p.reduce_op == "avg":
+            scale /= n
+    return scale

@@ -19,7 +19,7 @@ import shardwise._ops._shape  # noqa: F401  (registers the shape-op strategies u
 from shardwise import DTensor, Partial, Placement, Replicate, Shard
 from shardwise.testing import distributed
 
-from .dist_helpers import expected_piece, make_dtensor, seeded
+from .dist_helpers import expected_piece, make_dtensor, seeded, term_grad_scale
 
 MESHES = [(4,), (2, 2)]
 Order = Optional[dict[int, tuple[int, ...]]]
@@ -35,7 +35,7 @@ def _leaf(
 
 
 def _grad_layout(placements: Sequence[Placement]) -> tuple[Placement, ...]:
-    """The gradient of a Partial input's terms is the full gradient: Partial -> Replicate."""
+    """The gradient of a Partial input's terms is the full gradient (/ n for "avg"): Partial -> Replicate."""
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
@@ -59,6 +59,7 @@ def _check(fn: Callable[[Any], Any], full: torch.Tensor, mesh: sw.DeviceMesh, pl
     sum(((w * g).sum() for w, g in zip(gots, weights)), torch.zeros(())).backward()
     assert ref.grad is not None and piece.grad is not None, what
     want_grad = expected_piece(ref.grad, mesh.shape, _grad_layout(placements), mesh.get_coordinate(), order)
+    want_grad = want_grad * term_grad_scale(placements, mesh.shape)
     torch.testing.assert_close(piece.grad, want_grad, msg=lambda m: f"{what} {placements} {order} gradient\n{m}")
 
 
