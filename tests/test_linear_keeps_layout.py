@@ -105,3 +105,22 @@ def test_linear_layouts_it_does_not_handle_run_the_ordinary_way() -> None:
     # 2-D inputs never flatten: the matmul strategies keep them as before
     x2 = sw.distribute_tensor(seeded(8, 4), mesh, [S(0)])
     assert F.linear(x2, sw.distribute_tensor(w, mesh, [R])).placements == (S(0),)
+
+
+@distributed(world_size=2)
+def test_a_tensor_that_gains_a_split_middle_dim_in_place_takes_the_local_linear_path() -> None:
+    # Only DTensors split on a middle dim pay for the linear interception (their own class);
+    # an in-place op that moves the split there (unsqueeze_) must switch the class too.
+    mesh = sw.init_device_mesh("cpu", (2,))
+    full, w_full = seeded(6, 5), seeded(3, 5, seed=2)
+    x = sw.distribute_tensor(full, mesh, [Shard(0)])
+    plain_class = type(x)
+    x.unsqueeze_(0)  # (1, 6, 5), split on dim 1 now
+    assert x.placements == (Shard(1),) and type(x) is not plain_class
+    w = sw.distribute_tensor(w_full, mesh, [Replicate()])
+    with sw.comm_log() as log:
+        y = F.linear(x, w)
+    assert log == [] and y.placements == (Shard(1),)
+    torch.testing.assert_close(y.full_tensor(), F.linear(full.unsqueeze(0), w_full))
+    x.squeeze_(0)
+    assert type(x) is plain_class

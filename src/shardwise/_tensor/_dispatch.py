@@ -95,7 +95,7 @@ class _Plan:
 
     __slots__ = (
         "moves", "simple", "outputs", "single", "shape_arg", "local_shape", "writebacks", "returns", "impl",
-        "resolve", "dynamic_mesh", "impl_specs", "relayout", "decompose",
+        "resolve", "dynamic_mesh", "impl_specs", "relayout", "decompose", "fast", "unwrap", "moved", "call", "wraps",
     )
 
     def __init__(self) -> None:
@@ -113,12 +113,55 @@ class _Plan:
         self.dynamic_mesh: Optional[DeviceMesh] = None  # outputs described after the run (replicated)
         self.relayout = False  # an in-place op that gives self a new shape or layout (squeeze_)
         self.decompose: Optional[Callable[..., Any]] = None  # run as PyTorch's decomposition of the op
+        # The lean path (`fast`): top-level DTensor arguments, the op itself on local pieces, and
+        # fresh outputs; everything it needs is worked out here, once.
+        self.fast = False
+        self.unwrap: tuple[int, ...] = ()  # positions whose local piece is used as it is
+        self.moved: tuple[tuple[int, DTensorSpec], ...] = ()  # positions redistributed first
+        self.call: Callable[..., Any] = _no_call  # the C op (an OpOverload's `_op`)
+        self.wraps: tuple[_Out, ...] = ()  # one per output; a single output when `single` is set
+
+
+def _no_call(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a plan off the lean path has no direct call")
+
+
+# What wrapping one output needs, precomputed: (class, shape, stride, dtype, spec).
+_Out = tuple[type, torch.Size, tuple[int, ...], torch.dtype, DTensorSpec]
+
+
+def _out(spec: DTensorSpec) -> _Out:
+    meta = spec.tensor_meta
+    return (class_for(spec), meta.shape, meta.stride, meta.dtype, spec)
+
+
+def _set_lean(plan: _Plan, func: Any, args: tuple[Any, ...]) -> None:
+    """Mark `plan` for the lean path when nothing but unwrap, call and wrap is needed."""
+    outputs = plan.outputs
+    if isinstance(outputs, DTensorSpec):
+        wraps: tuple[_Out, ...] = (_out(outputs),)
+    elif isinstance(outputs, tuple) and outputs and all(isinstance(o, DTensorSpec) for o in outputs):
+        wraps = tuple(_out(o) for o in outputs if isinstance(o, DTensorSpec))
+    else:
+        return
+    if not plan.simple or plan.impl is not None or plan.resolve or plan.dynamic_mesh is not None:
+        return
+    if plan.writebacks or plan.relayout or plan.returns is not None or not hasattr(func, "_op"):
+        return
+    # a plain tensor (implicit replication) that stays put is passed as it is
+    plan.unwrap = tuple(k for k, t in plan.moves if t is None and isinstance(args[k], DTensor))
+    plan.moved = tuple((k, t) for k, t in plan.moves if t is not None)
+    plan.call = func._op
+    plan.wraps = wraps
+    plan.fast = True
 
 
 # Keyed by (op, one entry per argument, kwargs): a DTensor contributes its spec (hashed
-# once, at creation), anything else (type, value): 2, 2.0 and True give different dtypes.
+# once, at creation), anything else (type, value): 2, 2.0 and True give different dtypes;
+# a list or tuple of scalars (a shape) gives (type, element types, values).
 _PLANS: dict[tuple[Any, ...], _Plan] = {}
 _SCALARS = (int, float, bool, complex, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+_SCALAR_TYPES = frozenset(_SCALARS)
 
 
 def _plain_error(func: Any, a: torch.Tensor) -> ValueError:
@@ -143,6 +186,9 @@ def _key_part(a: Any, func: Any) -> Any:
             return ("plain", a.shape, a.dtype, a.device.type)
         raise _plain_error(func, a)
     if isinstance(a, (list, tuple)):
+        types = tuple(map(type, a))
+        if _SCALAR_TYPES.issuperset(types):  # a shape, a list of dims: no walk
+            return (a.__class__, types, tuple(a))
         return (a.__class__, tuple(_key_part(x, func) for x in a))
     return (a.__class__, a)
 
@@ -247,6 +293,7 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Pla
         written.add(0)
     if written and _returns_written(func):
         plan.returns = tuple(loc for loc in where if loc[0] in written)
+    _set_lean(plan, func, args)
     return plan
 
 
@@ -278,6 +325,7 @@ def _relayout(owner: DTensor, local: torch.Tensor, spec: DTensorSpec) -> None:
     """Give `owner` the layout (and global shape) of an in-place op's result."""
     owner._local_tensor = local
     owner._spec = spec
+    owner.__class__ = class_for(spec)  # a split batch dim may come or go (see `_dtensor`)
     # the wrapper's own sizes and strides are metadata only: set them below the Python key
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
         torch.ops.aten.as_strided_.default(owner, spec.shape, spec.tensor_meta.stride)
@@ -319,13 +367,39 @@ def _local(a: Any, target: Optional[DTensorSpec]) -> torch.Tensor:
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    key = (func, *[_key_part(a, func) for a in args])
+    """Run the aten op `func` on DTensor arguments: the lean path, or `_run` for the rest."""
+    # the key inlines the two common cases of `_key_part`: a DTensor and a plain scalar
+    key = (func, *[
+        a._spec if isinstance(a, DTensor) else (a.__class__, a) if a.__class__ in _SCALAR_TYPES else _key_part(a, func)
+        for a in args
+    ])
     if kwargs:
         key += (tuple((k, _key_part(v, func)) for k, v in kwargs.items()),)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _make_plan(func, args, kwargs)
         _PLANS[key] = plan
+    if plan.fast:
+        local_args = list(args)
+        for k in plan.unwrap:
+            local_args[k] = args[k]._local_tensor
+        for k, target in plan.moved:
+            local_args[k] = _local(args[k], target)
+        if plan.shape_arg is not None:
+            local_args[plan.shape_arg] = plan.local_shape
+        out = plan.call(*local_args, **kwargs)
+        if plan.single is not None:
+            cls, shape, stride, dtype, spec = plan.wraps[0]
+            r: Any = _make_wrapper(cls, shape, strides=stride, dtype=dtype, device=out.device, layout=out.layout)
+            r._local_tensor = out
+            r._spec = spec
+            return r
+        return tuple([_wrap_one(o, w) for o, w in zip(out, plan.wraps)])
+    return _run(plan, func, args, kwargs)
+
+
+def _run(plan: _Plan, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The general path: nested arguments, local impls, in-place and out= ops, decompositions."""
     if plan.decompose is not None:
         return _run_decomposition(plan.decompose, args, kwargs)
     if plan.simple:
@@ -360,6 +434,14 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if plan.single is not None:
         return DTensor(out, plan.single, requires_grad=False)
     return _wrap(out, plan.outputs)
+
+
+def _wrap_one(local: torch.Tensor, w: _Out) -> DTensor:
+    cls, shape, stride, dtype, spec = w
+    r: Any = _make_wrapper(cls, shape, strides=stride, dtype=dtype, device=local.device, layout=local.layout)
+    r._local_tensor = local
+    r._spec = spec
+    return r  # type: ignore[no-any-return]
 
 
 def _unwrap_nested(args: tuple[Any, ...], kwargs: dict[str, Any], plan: _Plan) -> tuple[list[Any], dict[str, Any]]:
@@ -404,4 +486,6 @@ def _wrap(out: Any, spec: Any) -> Any:
     return out
 
 
-from ._dtensor import DTensor  # noqa: E402
+from ._dtensor import DTensor, class_for  # noqa: E402
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass

@@ -2,8 +2,9 @@
 
 It is a wrapper subclass: the outer tensor carries the global shape, dtype and autograd
 state; `_local_tensor` holds this rank's piece and `_spec` the layout. Every aten op on
-it goes through `__torch_dispatch__` (see `_dispatch.py`); `__torch_function__` sees only
-linear and matmul first, to keep a split batch dim through them (see `_local_linear.py`).
+it goes through `__torch_dispatch__` (see `_dispatch.py`). Torch function is off, except
+on a tensor whose layout splits a batch dim of 3 or more dims (`_SplitBatchDTensor`): there
+linear and matmul are caught before they decompose, to keep the split (see `_local_linear.py`).
 
 `from_local`, `to_local`, `redistribute` and `full_tensor` are autograd functions, so a
 DTensor can live in only part of a model: gradients that flow through them are the
@@ -27,7 +28,9 @@ from .._placement import Partial, Placement, Replicate
 from .._spec import DTensorSpec
 from ._redistribute import redistribute_local
 
-__all__ = ["DTensor"]
+__all__ = ["DTensor", "class_for"]
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 class DTensor(torch.Tensor):
@@ -38,10 +41,17 @@ class DTensor(torch.Tensor):
     # No __slots__: `torch.utils.swap_tensors` (how `spmd.mark_sharding` turns an existing
     # nn.Parameter into a DTensor in place) only swaps objects whose classes have the same slots.
 
+    # Torch function is off for a DTensor (no Python call before every op and property
+    # access); only a layout that a composite linear / matmul would lose gets the subclass
+    # below, whose `__torch_function__` routes those calls to `_local_linear`.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
+        if cls is DTensor:
+            cls = class_for(spec)
         meta = spec.tensor_meta
-        r = torch.Tensor._make_wrapper_subclass(
+        r = _make_wrapper(
             cls,
             meta.shape,
             strides=meta.stride,
@@ -53,24 +63,6 @@ class DTensor(torch.Tensor):
         r._local_tensor = local_tensor
         r._spec = spec
         return r
-
-    @classmethod
-    def __torch_function__(
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
-    ) -> Any:
-        # Narrow on purpose: only linear / matmul, which decompose above __torch_dispatch__ in a
-        # way that loses a split batch dim, may be handled here (see `_local_linear`); every
-        # other call runs exactly as with torch function disabled.
-        try:
-            handler = _TORCH_FUNCTION_HANDLERS.get(func)
-        except TypeError:  # an unhashable callable: never one of ours
-            handler = None
-        if handler is not None:
-            out = handler(args, kwargs or {})
-            if out is not NotImplemented:
-                return out
-        # the C pass-through (what torch runs when torch function is disabled): ~1 us per call
-        return _disabled_torch_function(func, types, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -246,6 +238,43 @@ class _FromLocal(torch.autograd.Function):
         n = math.prod(size for size, p in zip(spec.mesh.shape, spec.placements)
                       if isinstance(p, Partial) and p.reduce_op == "avg")
         return (local / n if n > 1 else local), None
+
+
+class _SplitBatchDTensor(DTensor):
+    """A DTensor of 3 or more dims split along a dim other than the last: linear and matmul
+    on it must not decompose (see `_local_linear`), so torch function is on for it alone."""
+
+    @classmethod
+    def __torch_function__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
+        try:
+            handler = _TORCH_FUNCTION_HANDLERS.get(func)
+        except TypeError:  # an unhashable callable: never one of ours
+            handler = None
+        if handler is not None:
+            out = handler(args, kwargs or {})
+            if out is not NotImplemented:
+                return out
+        # every other call runs exactly as with torch function disabled
+        return _disabled_torch_function(func, types, args, kwargs or {})
+
+
+# spec -> the class a DTensor of that layout gets (only specs of 3 or more dims are cached)
+_CLASSES: dict[DTensorSpec, type[DTensor]] = {}
+
+
+def class_for(spec: DTensorSpec) -> type[DTensor]:
+    """`_SplitBatchDTensor` for a layout whose split batch dim a composite linear would lose."""
+    n = len(spec.tensor_meta.shape)
+    if n < 3:
+        return DTensor
+    try:
+        return _CLASSES[spec]
+    except KeyError:
+        split_batch = any(d != n - 1 for d in spec.split_orders())
+        cls = _CLASSES[spec] = _SplitBatchDTensor if split_batch else DTensor
+        return cls
 
 
 from ._dispatch import dispatch as _dispatch  # noqa: E402  (dispatch needs DTensor defined)
