@@ -167,8 +167,14 @@ def test_skip_layout_of_the_skip_model() -> None:
 
 # -- skips travel straight from stash to pop -----------------------------------------------------
 
+# Every tensor whose storage address was recorded stays alive for the whole test: a freed
+# storage's address may be handed to a later tensor, which would look like the same storage.
+_KEEP: list[torch.Tensor] = []
+
+
 def _storages(value: Any) -> Iterator[int]:
     if isinstance(value, torch.Tensor):
+        _KEEP.append(value)
         yield value.untyped_storage().data_ptr()
     elif isinstance(value, (tuple, list)):
         for v in value:
@@ -228,6 +234,7 @@ def test_skip_tensor_never_reaches_the_partitions_between(checkpoint: str, monke
     assert len(stashed) >= 3 and len(popped) >= 3  # 3 micro-batches (more when recomputed)
     assert set(popped) <= set(stashed)  # positive control: the pop side does see the stashed storage
     assert not set(stashed) & set(seen_between) and seen_between
+    _KEEP.clear()
     assert len(copies) == 3 * 3  # three routes cross partitions, one copy each per micro-batch
     assert len(activation_copies) == 3 * 3  # partition boundaries x micro-batches
 

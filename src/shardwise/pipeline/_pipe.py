@@ -105,6 +105,24 @@ def _argument_problems(balance: list[Any], chunks: int, checkpoint: str,
     return problems, any("balance" in p for p in problems)
 
 
+def check_arguments(module: nn.Sequential, balance: Iterable[int], chunks: int, checkpoint: str,
+                    what: str) -> list[int]:
+    """Every check a pipeline makes before cutting `module` (shared by `Pipe` and the
+    multi-process runtime); all argument problems raised at once. Returns the balance."""
+    _verify_module(module)
+    balance = list(balance)
+    problems, balance_is_wrong = _argument_problems(balance, chunks, checkpoint, module)
+    if problems:
+        message = problems[0] if len(problems) == 1 else \
+            f"{len(problems)} problems with the {what} arguments:\n" + "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(recommend_auto_balance(message) if balance_is_wrong else message)
+    verify_skippables(module)
+    shared = _shared_parameter_problems(module, balance)
+    if shared:
+        raise ValueError(shared[0])
+    return balance
+
+
 def _shared_parameter_problems(module: nn.Sequential, balance: list[int]) -> list[str]:
     owner: dict[int, tuple[str, int, str]] = {}  # id(param) -> (layer name, partition, param name)
     layer_partition = [j for j, size in enumerate(balance) for _ in range(size)]
@@ -146,18 +164,8 @@ class Pipe(nn.Module):
         if balance is None:
             raise ValueError(recommend_auto_balance(
                 "balance is required: pass balance=[layers of partition 0, layers of partition 1, ...]"))
-        _verify_module(module)
-        balance = list(balance)
         chunks, checkpoint = int(chunks), str(checkpoint)
-        problems, balance_is_wrong = _argument_problems(balance, chunks, checkpoint, module)
-        if problems:
-            message = problems[0] if len(problems) == 1 else \
-                f"{len(problems)} problems with the Pipe arguments:\n" + "\n".join(f"  - {p}" for p in problems)
-            raise ValueError(recommend_auto_balance(message) if balance_is_wrong else message)
-        verify_skippables(module)
-        shared = _shared_parameter_problems(module, balance)
-        if shared:
-            raise ValueError(shared[0])
+        balance = check_arguments(module, balance, chunks, checkpoint, "Pipe")
         device_list = [torch.device(d) for d in devices] if devices is not None else _default_devices(len(balance))
         if len(device_list) < len(balance):
             raise IndexError(f"too few devices to hold given partitions (devices: {len(device_list)}, partitions: "

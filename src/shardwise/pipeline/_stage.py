@@ -29,12 +29,11 @@ from torch import Tensor, nn
 from ._checkpoint import Checkpointing
 from ._dependency import join
 from ._microbatch import Batch, BatchValue
-from ._pipe import _argument_problems, _shared_parameter_problems, _verify_module, recommend_auto_balance
+from ._pipe import check_arguments
 from .skip._layout import SkipLayout
 from .skip._namespace import Namespace
 from .skip._portal import Portal
 from .skip._tracker import SkipKey, SkipTracker, use_skip_tracker
-from .skip._verify import verify_skippables
 
 __all__ = ["PipelineStage", "SkipTrackerThroughRanks", "split_module"]
 
@@ -45,17 +44,7 @@ def split_module(module: nn.Sequential, balance: Sequence[int], *, chunks: int =
     `j`), after the checks `Pipe` makes: an `nn.Sequential` without duplicate children,
     positive balance entries adding up to `len(module)`, valid `chunks` and `checkpoint`,
     matching skips, no parameter shared across partitions. All problems are raised at once."""
-    _verify_module(module)
-    balance = list(balance)
-    problems, balance_is_wrong = _argument_problems(balance, chunks, checkpoint, module)
-    if problems:
-        message = problems[0] if len(problems) == 1 else \
-            f"{len(problems)} problems with the pipeline arguments:\n" + "\n".join(f"  - {p}" for p in problems)
-        raise ValueError(recommend_auto_balance(message) if balance_is_wrong else message)
-    verify_skippables(module)
-    shared = _shared_parameter_problems(module, balance)
-    if shared:
-        raise ValueError(shared[0])
+    balance = check_arguments(module, balance, chunks, checkpoint, "pipeline")
     layers = iter(module._modules.items())
     return [nn.Sequential(OrderedDict(next(layers) for _ in range(size))) for size in balance]
 
