@@ -27,13 +27,12 @@ from typing import Any, Optional
 from torch import Tensor, nn
 
 from ._checkpoint import Checkpointing
-from ._dependency import join
 from ._microbatch import Batch, BatchValue
 from ._pipe import check_arguments
 from .skip._layout import SkipLayout
 from .skip._namespace import Namespace
 from .skip._portal import Portal
-from .skip._tracker import SkipKey, SkipTracker, use_skip_tracker
+from .skip._tracker import SkipKey, SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
 
 __all__ = ["PipelineStage", "SkipTrackerThroughRanks", "split_module"]
 
@@ -49,7 +48,7 @@ def split_module(module: nn.Sequential, balance: Sequence[int], *, chunks: int =
     return [nn.Sequential(OrderedDict(next(layers) for _ in range(size))) for size in balance]
 
 
-class SkipTrackerThroughRanks(SkipTracker):
+class SkipTrackerThroughRanks(SkipTrackerThroughPortals):
     """The skips of one micro-batch on one rank, for stages on different ranks (see module doc).
 
     The runtime calls `take_outbox()` after a stage's forward (skips to send), `deliver()`
@@ -58,29 +57,19 @@ class SkipTrackerThroughRanks(SkipTracker):
     """
 
     def __init__(self, skip_layout: SkipLayout) -> None:
-        super().__init__()
-        self.skip_layout = skip_layout
-        self.portals: dict[SkipKey, Portal] = {}
+        super().__init__(skip_layout)
         self.outbox: list[tuple[SkipKey, Optional[Tensor]]] = []
         self.inbox: dict[SkipKey, Optional[Tensor]] = {}
 
-    def save(self, batch: Batch, ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
-        if not self.skip_layout.requires_copy(ns, name):
-            super().save(batch, ns, name, tensor)
-            return
-        portal = self.portals.get((ns, name))
-        if portal is None:  # the forward: send the tensor, keep the gradient's way back
-            portal = self.portals[(ns, name)] = Portal(tensor, 1)
-            self.outbox.append(((ns, name), None if tensor is None else tensor.detach()))
-        else:  # the recomputation of a checkpointed stage: rebuild the edge only
-            portal.put_tensor(tensor, 1)
-        phony = portal.blue()
-        k = batch.find_tensor_idx()
-        batch[k] = join(batch[k], phony)
+    def _new_portal(self, ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> Portal:
+        # the forward: send the tensor, keep the gradient's way back (a recomputation of a
+        # checkpointed stage finds the portal and only rebuilds the edge)
+        self.outbox.append(((ns, name), None if tensor is None else tensor.detach()))
+        return Portal(tensor, 1)
 
     def load(self, batch: Batch, ns: Optional[Namespace], name: str) -> Optional[Tensor]:
         if not self.skip_layout.requires_copy(ns, name):
-            return super().load(batch, ns, name)
+            return SkipTracker.load(self, batch, ns, name)
         return self.inbox[(ns, name)]  # KeyError: never delivered, which the layer reports
 
     def take_outbox(self) -> list[tuple[SkipKey, Optional[Tensor]]]:

@@ -79,10 +79,7 @@ class SkipTrackerThroughPortals(SkipTracker):
             return
         portal = self.portals.get((ns, name))
         if portal is None:
-            # Uses still to come: the stash's blue(), the pop's orange(), and under
-            # checkpointing the pop's orange() again when its partition is recomputed.
-            portal = Portal(tensor, 3 if is_checkpointing() else 2)
-            self.portals[(ns, name)] = portal
+            portal = self.portals[(ns, name)] = self._new_portal(ns, name, tensor)
         else:
             # The stashing partition is being recomputed: the recomputed tensor is needed
             # only by the new blue(), whose backward hands the gradient to it.
@@ -90,6 +87,11 @@ class SkipTrackerThroughPortals(SkipTracker):
         phony = portal.blue()
         k = batch.find_tensor_idx()
         batch[k] = join(batch[k], phony)
+
+    def _new_portal(self, ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> Portal:
+        # Uses still to come: the stash's blue(), the pop's orange(), and under
+        # checkpointing the pop's orange() again when its partition is recomputed.
+        return Portal(tensor, 3 if is_checkpointing() else 2)
 
     def load(self, batch: Batch, ns: Optional[Namespace], name: str) -> Optional[Tensor]:
         if not self.skip_layout.requires_copy(ns, name):
