@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard
@@ -78,7 +79,10 @@ def test_redistribute_moves_exactly_the_planned_bytes(mesh_shape: tuple[int, ...
             with sw.comm_log() as log:
                 dt.redistribute(mesh, dst, shard_order=dst_order)
             moved = sum(r.bytes_received for r in log)
-            assert moved == plan.bytes, (src, dst, moved, plan.explain())
+            # the plan prices the busiest rank: an exchange gives ranks holding their target nothing
+            busiest = torch.tensor(moved)
+            dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+            assert moved <= plan.bytes == busiest.item(), (src, dst, moved, plan.explain())
 
 
 @distributed(world_size=4)

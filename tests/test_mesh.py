@@ -92,3 +92,21 @@ def test_abstract_mesh_needs_no_processes() -> None:
         m.size("x")
     plan = sw.plan_for(AbstractMesh((64, 8)), (4096, 4096), [Shard(0), Shard(1)], [Replicate(), Replicate()])
     assert plan.bytes == (4096 * 4096 - 4096 * 4096 // 512) * 4  # all_gather lower bound over 512 ranks
+
+
+@distributed(world_size=4)
+def test_a_mesh_slice_listing_ranks_out_of_order_collects_in_mesh_order() -> None:
+    # Regression: groups were made with torch's new_group, which sorts its ranks, so along
+    # the row [3, 2] rank 2 came first and all_gather / reduce_scatter swapped the pieces.
+    from shardwise import Partial, Shard
+
+    from .dist_helpers import expected_piece, make_dtensor, seeded
+
+    mesh = sw.DeviceMesh("cpu", [[0, 1], [3, 2]])
+    full = seeded(8, 6)
+    for placements in [(Shard(0), Shard(1)), (Shard(1), Shard(0)), (Partial(), Shard(1)), (Shard(0), Partial())]:
+        x = make_dtensor(full, mesh, placements)
+        torch.testing.assert_close(x.full_tensor(), full)
+        y = x.redistribute(mesh, [Shard(1), Shard(0)])
+        coord = mesh.get_coordinate()
+        torch.testing.assert_close(y.to_local(), expected_piece(full, mesh.shape, [Shard(1), Shard(0)], coord))

@@ -26,6 +26,8 @@ from shardwise._layout import max_local_shape, normalize_placements, normalize_s
 from shardwise._redistribute import _planner
 from shardwise._redistribute import RedistributePlan, Step, plan_redistribute
 
+from .oracle import coordinates, local_piece
+
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
@@ -84,6 +86,22 @@ def check_plan(
     cost = 0.0
     for k, step in enumerate(plan.steps):
         i, where = step.mesh_dim, f"step {k + 1} ({step})"
+        if step.kind == "exchange":  # one all_to_all over the whole mesh, straight to the target
+            # it lands on the target with Partials as Replicate (partialized after, for free)
+            assert all(s.kind == "partialize" for s in plan.steps[k + 1 :]), f"{where}: only partialize may follow"
+            assert not any(isinstance(p, Partial) for p in placements), where
+            assert (step.src, step.src_orders) == (placements, orders), where
+            target_orders = orders_for(dst, dst_order, ndim)
+            unreduced = tuple(Replicate() if isinstance(p, Partial) else p for p in dst)
+            assert (step.dst, step.placements, step.orders) == (unreduced, unreduced, target_orders), where
+            want = exchange_oracle_bytes(mesh_shape, global_shape, placements, orders, target_orders) * itemsize
+            assert step.bytes == want, f"{where}: {step.bytes} bytes, the oracle says {want}"
+            assert len(mesh_shape) > 1 and step.bytes > 0, where
+            cost += step.bytes / (min(bandwidth) if bandwidth else 1.0)
+            placements, orders = unreduced, target_orders
+            assert (placements, orders) not in seen, f"{where}: revisits a state"
+            seen.add((placements, orders))
+            continue
         assert 0 <= i < len(mesh_shape), where
         assert step.src == placements[i], where
         new = list(orders)
@@ -135,6 +153,25 @@ def check_plan(
     assert plan.bytes == round(sum(s.bytes for s in plan.steps))
     if plan.steps:
         assert plan.steps[-1].shard_order == dst_order
+
+
+def exchange_oracle_bytes(
+    mesh_shape: tuple[int, ...], global_shape: tuple[int, ...], src: Sequence[Placement], src_orders: Orders,
+    dst_orders: Orders,
+) -> int:
+    """Elements the busiest rank lacks of its target piece, by chunking a tensor of global
+    indices with the naive interpreter (tests/oracle.py)."""
+    ids = torch.arange(math.prod(global_shape)).reshape(global_shape)
+    worst = 0
+    for c in coordinates(mesh_shape):
+        def held(orders: Orders) -> set[int]:
+            placements = [Replicate()] * len(mesh_shape)
+            for d, ms in enumerate(orders):
+                for m in ms:
+                    placements[m] = Shard(d)
+            return set(local_piece(ids, mesh_shape, placements, c, {d: ms for d, ms in enumerate(orders)}).flatten().tolist())
+        worst = max(worst, len(held(dst_orders) - held(src_orders)))
+    return worst
 
 
 def naive_cost(
@@ -259,6 +296,9 @@ def test_lower_bound_bytes_on_mesh_4(
         # moving a shard between mesh dims: rank (0, 1) must receive half the tensor
         ((S0, R), (R, S0), 1 / 2, ["all_gather", "chunk"]),
         ((S0, S1), (S0, S1), 0, []),
+        # splits trading mesh dims: one all_to_all over the mesh, each rank receives what it lacks
+        ((S0, S1), (S1, S0), 1 / 4, ["exchange"]),  # (0, 0) and (1, 1) keep theirs; the others swap
+        ((S0, S0), (S1, S1), 3 / 16, ["exchange"]),  # a column block of 4 rows, one of which it holds
     ],
     ids=lambda v: "".join(map(str, v)) if isinstance(v, tuple) else None,
 )

@@ -12,12 +12,15 @@ moved when a `comm_log()` is active. Timeouts are those of the process groups
 | S(d) -> S(e) | `all_to_all_cat` (gloo's all_to_all_single) | (n-1)/n * local (exact sizes) |
 | P -> R | `all_reduce` | 2(n-1)/n * local (ring) |
 | P -> S(d) | `reduce_scatter_cat` | (n-1) * piece |
+| several mesh dims at once, no Partial | `all_to_all_boxes` over the whole mesh | exactly what the rank lacks |
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -30,6 +33,7 @@ __all__ = [
     "comm_log",
     "all_gather_cat",
     "all_to_all_cat",
+    "all_to_all_boxes",
     "all_reduce",
     "reduce_scatter_cat",
     "broadcast",
@@ -80,24 +84,50 @@ def _finish_avg(t: torch.Tensor, op: str, n: int) -> torch.Tensor:
     return t
 
 
-def _pad_to(t: torch.Tensor, size: int) -> torch.Tensor:
-    """Pad tensor dim 0 of `t` with zeros to `size`."""
-    if t.size(0) == size:
+def _pad_to(t: torch.Tensor, tensor_dim: int, size: int) -> torch.Tensor:
+    """Pad `t` along `tensor_dim` with zeros to `size`."""
+    if t.size(tensor_dim) == size:
         return t
-    pad = t.new_zeros((size - t.size(0),) + tuple(t.shape[1:]))
-    return torch.cat([t, pad])
+    shape = list(t.shape)
+    shape[tensor_dim] = size - shape[tensor_dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=tensor_dim)
+
+
+def _stacked(n: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of `n` blocks of `shape` laid one after another along dim 0."""
+    return (n * shape[0],) + tuple(shape[1:])
+
+
+def _blocks(t: torch.Tensor, tensor_dim: int, sizes: Sequence[int], block: int) -> torch.Tensor:
+    """Pack the pieces of `t` along `tensor_dim` (`sizes`), each padded to `block`, one after
+    another in one contiguous buffer of shape (n * block, ...) in `t`'s other dims order: the
+    layout gloo's equal-size collectives read. One copy; none when `tensor_dim` is 0 and even."""
+    if tensor_dim == 0 and all(s == block for s in sizes):
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[tensor_dim] = block
+    make = t.new_zeros if any(s != block for s in sizes) else t.new_empty
+    out = make((len(sizes),) + tuple(shape))
+    start = 0
+    for j, size in enumerate(sizes):
+        out[j].narrow(tensor_dim, 0, size).copy_(t.narrow(tensor_dim, start, size))
+        start += size
+    return out.view(_stacked(len(sizes), shape)) if tensor_dim == 0 else out
 
 
 def all_gather_cat(local: torch.Tensor, group: Any, n: int, tensor_dim: int, pieces: Sequence[int]) -> torch.Tensor:
-    """Concatenate every rank's piece along `tensor_dim`; `pieces[j]` is rank j's size there."""
+    """Concatenate every rank's piece along `tensor_dim`; `pieces[j]` is rank j's size there.
+
+    The pieces travel as they are laid out (padded to the largest along `tensor_dim`) and
+    are stitched together after: no transposing copy for a split on an inner dim."""
     biggest = max(pieces)
-    front = _pad_to(local.movedim(tensor_dim, 0), biggest).contiguous()  # (biggest, ...)
-    out = front.new_empty((n * biggest,) + tuple(front.shape[1:]))
-    _all_gather_single(out, front, group=group)
-    _record("all_gather", n, (n - 1) * front.numel() * front.element_size())
-    if any(p != biggest for p in pieces):
-        out = torch.cat([out.narrow(0, j * biggest, p) for j, p in enumerate(pieces)])
-    return out.movedim(0, tensor_dim).contiguous()
+    mine = _pad_to(local, tensor_dim, biggest).contiguous()
+    out = mine.new_empty((n,) + tuple(mine.shape))
+    _all_gather_single(out.view(_stacked(n, mine.shape)), mine, group=group)
+    _record("all_gather", n, (n - 1) * mine.numel() * mine.element_size())
+    if tensor_dim == 0 and all(p == biggest for p in pieces):
+        return out.view(_stacked(n, mine.shape))
+    return torch.cat([out[j].narrow(tensor_dim, 0, p) for j, p in enumerate(pieces)], dim=tensor_dim)
 
 
 def all_to_all_cat(
@@ -118,8 +148,11 @@ def all_to_all_cat(
     tensor, the all_to_all lower bound, where an all_gather would move (n-1) times it.
     """
     me = index
-    sends = [p.contiguous() for p in torch.split(local, list(split_sizes), dim=split_dim)]
-    flat_in = torch.cat([p.reshape(-1) for p in sends]) if sends else local.new_empty(0)
+    sends = torch.split(local, list(split_sizes), dim=split_dim)
+    send_numels = [p.numel() for p in sends]
+    flat_in = local.new_empty(sum(send_numels))
+    for piece, chunk in zip(sends, torch.split(flat_in, send_numels)):
+        chunk.view(piece.shape).copy_(piece)
     mine_shape = list(local.shape)
     mine_shape[split_dim] = split_sizes[me]
     recv_shapes = []
@@ -130,11 +163,56 @@ def all_to_all_cat(
     recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
     flat_out = local.new_empty(sum(recv_numels))
     dist.all_to_all_single(
-        flat_out, flat_in, output_split_sizes=recv_numels, input_split_sizes=[p.numel() for p in sends], group=group
+        flat_out, flat_in, output_split_sizes=recv_numels, input_split_sizes=send_numels, group=group
     )
     _record("all_to_all", n, (sum(recv_numels) - recv_numels[me]) * local.element_size())
     pieces = [chunk.view(s) for chunk, s in zip(torch.split(flat_out, recv_numels), recv_shapes)]
     return torch.cat(pieces, dim=cat_dim)
+
+
+def _region(t: torch.Tensor, box: Sequence[tuple[int, int]]) -> torch.Tensor:
+    for d, (start, length) in enumerate(box):
+        t = t.narrow(d, start, length)
+    return t
+
+
+def all_to_all_boxes(
+    local: torch.Tensor,
+    group: Any,
+    n: int,
+    out_shape: Sequence[int],
+    sends: Sequence[tuple[int, Sequence[tuple[int, int]]]],
+    recvs: Sequence[tuple[int, Sequence[tuple[int, int]]]],
+    keep: Optional[tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]]],
+) -> torch.Tensor:
+    """One all_to_all over `group` (n ranks) that builds a new piece of `out_shape`.
+
+    `sends`: (group rank, box of `local`) to send there; `recvs`: (group rank, box of the
+    result) that arrives from there; `keep`: (box of `local`, box of the result) copied
+    locally. A box is (start, length) per tensor dim. Exact sizes, no padding.
+    """
+    send_numels, recv_numels = [0] * n, [0] * n
+    for rank, box in sends:
+        send_numels[rank] = math.prod(length for _, length in box)
+    for rank, box in recvs:
+        recv_numels[rank] = math.prod(length for _, length in box)
+    flat_in = local.new_empty(sum(send_numels))
+    offsets = list(itertools.accumulate(send_numels, initial=0))
+    for rank, box in sends:
+        piece = _region(local, box)
+        flat_in.narrow(0, offsets[rank], send_numels[rank]).view(piece.shape).copy_(piece)
+    flat_out = local.new_empty(sum(recv_numels))
+    dist.all_to_all_single(flat_out, flat_in, output_split_sizes=recv_numels, input_split_sizes=send_numels,
+                           group=group)
+    _record("all_to_all", n, flat_out.numel() * local.element_size())
+    out = local.new_empty(tuple(out_shape))
+    if keep is not None:
+        _region(out, keep[1]).copy_(_region(local, keep[0]))
+    offsets = list(itertools.accumulate(recv_numels, initial=0))
+    for rank, box in recvs:
+        target = _region(out, box)
+        target.copy_(flat_out.narrow(0, offsets[rank], recv_numels[rank]).view(target.shape))
+    return out
 
 
 def all_reduce(local: torch.Tensor, group: Any, n: int, op: str) -> torch.Tensor:
@@ -148,17 +226,19 @@ def all_reduce(local: torch.Tensor, group: Any, n: int, op: str) -> torch.Tensor
 def reduce_scatter_cat(
     local: torch.Tensor, group: Any, n: int, tensor_dim: int, pieces: Sequence[int], index: int, op: str
 ) -> torch.Tensor:
-    """Reduce over the group and keep piece `index` along `tensor_dim` (`pieces[j]` sizes)."""
+    """Reduce over the group and keep piece `index` along `tensor_dim` (`pieces[j]` sizes).
+
+    The pieces are packed one after another (padded to the largest), not transposed."""
     biggest = max(pieces)
-    front = local.movedim(tensor_dim, 0)  # (sum(pieces), ...)
-    if any(p != biggest for p in pieces):
-        front = torch.cat([_pad_to(c, biggest) for c in torch.split(front, list(pieces))])
-    front = front.contiguous()
-    out = front.new_empty((biggest,) + tuple(front.shape[1:]))
-    _reduce_scatter_single(out, front, op=_DIST_OPS[op], group=group)
+    packed = _blocks(local, tensor_dim, pieces, biggest)  # (n * biggest, ...) or (n, ..., biggest, ...)
+    shape = list(local.shape)
+    shape[tensor_dim] = biggest
+    out = local.new_empty(shape)
+    _reduce_scatter_single(out, packed.view(_stacked(n, shape)) if tensor_dim else packed,
+                           op=_DIST_OPS[op], group=group)
     _record("reduce_scatter", n, (n - 1) * out.numel() * out.element_size())
     out = _finish_avg(out, op, n)
-    return out.narrow(0, 0, pieces[index]).movedim(0, tensor_dim).contiguous()
+    return out if pieces[index] == biggest else out.narrow(tensor_dim, 0, pieces[index]).contiguous()
 
 
 def broadcast(tensor: torch.Tensor, group: Any, n: int, src: int) -> torch.Tensor:

@@ -122,7 +122,14 @@ def _group_for(ranks: tuple[int, ...], backend: Optional[str]) -> Any:
     key = (id(world), ranks)
     group = _GROUPS.get(key)
     if group is None:
-        group = dist.new_group(list(ranks), timeout=collective_timeout(), backend=backend)
+        if list(ranks) == sorted(ranks):
+            group = dist.new_group(list(ranks), timeout=collective_timeout(), backend=backend)
+        else:
+            # `new_group` sorts its ranks, but collectives must see the slice in mesh order
+            # (piece j of an all_gather comes from mesh position j): keep the order given
+            group = dist.distributed_c10d._new_group_with_tag(
+                list(ranks), timeout=collective_timeout(), backend=backend, sort_ranks=False
+            )
         _GROUPS[key] = group
     return group
 
@@ -137,7 +144,7 @@ class DeviceMesh(AbstractMesh):
     As a context manager it becomes the current mesh, used by factories when no mesh is given.
     """
 
-    __slots__ = ("device_type", "_grid", "_coordinate", "_groups", "_slice_ranks", "__weakref__")
+    __slots__ = ("device_type", "_grid", "_coordinate", "_groups", "_slice_ranks", "_whole", "__weakref__")
 
     device_type: str
 
@@ -171,10 +178,27 @@ class DeviceMesh(AbstractMesh):
         me = dist.get_rank()
         where = (grid == me).nonzero()
         self._coordinate: Optional[tuple[int, ...]] = tuple(where[0].tolist()) if len(where) else None
+        whole = _groups is None
         if _groups is None:
             _groups = self._create_groups()
         self._groups = _groups
         self._slice_ranks = tuple(self._ranks_along(i) for i in range(self.ndim))
+        self._whole = self._whole_group(ranks, create=whole)
+
+    def _whole_group(self, ranks: list[int], create: bool) -> Optional[tuple[Any, tuple[int, ...]]]:
+        """The group over every rank of a mesh of 2+ dims (for a redistribute's exchange step)
+        and each mesh position's rank in it: WORLD when the mesh covers the world, else made
+        here when this constructor makes the per-dim groups (collectively), else None."""
+        if self.ndim < 2:
+            return None
+        if sorted(ranks) == list(range(dist.get_world_size())):
+            return dist.group.WORLD, tuple(ranks)
+        if not create:
+            return None
+        group = _group_for(tuple(sorted(ranks)), "nccl" if self.device_type == "cuda" else None)
+        if self._coordinate is None:
+            return None
+        return group, tuple(dist.get_group_rank(group, r) for r in ranks)
 
     def _create_groups(self) -> tuple[Any, ...]:
         backend = "nccl" if self.device_type == "cuda" else None

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from .. import _comm as comm
 from .._layout import chunk_range
 from .._placement import Partial, Shard
+from ._exchange import exchange_routes
 from ._planner import RedistributePlan
 
 __all__ = ["execute_plan"]
@@ -25,12 +26,31 @@ def _pieces(parent: int, n: int) -> list[int]:
     return [chunk_range(parent, n, j)[1] for j in range(n)]
 
 
-def execute_plan(local: torch.Tensor, plan: RedistributePlan, groups: Sequence[Any], coordinate: Sequence[int]) -> torch.Tensor:
-    """Apply `plan` to `local` (this rank's piece); `groups[i]` is this rank's group on mesh dim i."""
+def execute_plan(
+    local: torch.Tensor,
+    plan: RedistributePlan,
+    groups: Sequence[Any],
+    coordinate: tuple[int, ...],
+    whole: Optional[tuple[Any, Sequence[int]]] = None,
+) -> torch.Tensor:
+    """Apply `plan` to `local` (this rank's piece); `groups[i]` is this rank's group on mesh
+    dim i; `whole` the group over the whole mesh and each mesh position's rank in it (for
+    an exchange step)."""
     mesh_shape, gshape = plan.mesh_shape, plan.global_shape
     for step in plan.steps:
-        i, n, me = step.mesh_dim, mesh_shape[step.mesh_dim], coordinate[step.mesh_dim]
         kind = step.kind
+        if kind == "exchange":
+            assert whole is not None, "an exchange needs the whole mesh's group: plan with exchange=False"
+            group, ranks = whole
+            routes = exchange_routes(mesh_shape, gshape, step.src_orders, step.orders, coordinate)
+            local = comm.all_to_all_boxes(
+                local, group, len(ranks), routes.out_shape,
+                [(ranks[peer], box) for peer, box in routes.sends],
+                [(ranks[peer], box) for peer, box in routes.recvs],
+                routes.keep,
+            )
+            continue
+        i, n, me = step.mesh_dim, mesh_shape[step.mesh_dim], coordinate[step.mesh_dim]
         if kind == "chunk":
             assert isinstance(step.dst, Shard)
             d = step.dst.dim

@@ -14,6 +14,7 @@ one mesh dim:
 | reduce_scatter | P(op) -> S(d) | i becomes d's innermost | (n-1) * output piece |
 | chunk | R -> S(d) | i becomes d's innermost | 0 |
 | partialize | R -> P(op) | only towards a target with P(op) on i | 0 |
+| exchange | any -> the target (Partials as R), every mesh dim at once | no Partial before | target piece less what the rank holds (see `_exchange`) |
 
 Several Partial mesh dims mean the global value is reduced innermost mesh dim first; a
 max/min Partial is reduced only after the later Partial mesh dims it does not commute with.
@@ -23,7 +24,9 @@ for every mesh dim), with the sizes those of the largest piece (`torch.chunk` pu
 the first rank; gloo collectives pad to it). The plan is a shortest path (Dijkstra) over
 states; ties go to fewer steps. Only the innermost splitter of a tensor dim can leave it,
 so layouts like `(S(0), S(0))` are undone inside-out, and a cheaper detour through
-another tensor dim (an all_to_all) is found when one exists.
+another tensor dim (an all_to_all) is found when one exists. The exchange, one all_to_all
+over the whole mesh, costs its exact bytes over the slowest mesh dim's bandwidth; on a tie
+the per-mesh-dim collectives win.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .._layout import ShardOrder, format_placements, split_orders
 from .._placement import Partial, Placement, Replicate, Shard
+from ._exchange import MAX_EXCHANGE_RANKS, exchange_bytes
 
 __all__ = ["Step", "RedistributePlan", "plan_redistribute", "COST_MODEL"]
 
@@ -53,21 +57,27 @@ State = tuple[tuple[Placement, ...], Orders]
 
 @dataclass(frozen=True)
 class Step:
-    """One collective (or local op) on one mesh dim."""
+    """One collective (or local op) on one mesh dim; an exchange works on every mesh dim
+    (`mesh_dim` -1, `src`/`dst` the whole placements before/after)."""
 
     kind: str
     mesh_dim: int
-    src: Placement
-    dst: Placement
+    src: Union[Placement, tuple[Placement, ...]]
+    dst: Union[Placement, tuple[Placement, ...]]
     bytes: float
     placements: tuple[Placement, ...]  # after the step
     orders: Orders  # after the step
+    src_orders: Orders = ()  # an exchange's orders before it (the other steps derive theirs)
 
     @property
     def shard_order(self) -> ShardOrder:
         return orders_to_shard_order(self.placements, self.orders)
 
     def __str__(self) -> str:
+        if self.kind == "exchange":
+            assert isinstance(self.src, tuple) and isinstance(self.dst, tuple)
+            return (f"every mesh dim: {format_placements(self.src)} -> {format_placements(self.dst)} "
+                    f"by exchange, one all_to_all ({_fmt_bytes(self.bytes)})")
         return f"mesh dim {self.mesh_dim}: {self.src} -> {self.dst} by {self.kind} ({_fmt_bytes(self.bytes)})"
 
 
@@ -192,6 +202,9 @@ def _reducible(placements: tuple[Placement, ...], i: int) -> bool:
     )
 
 
+_EXCHANGE_RANK = 1000
+
+
 @functools.lru_cache(maxsize=8192)
 def plan_redistribute(
     mesh_shape: tuple[int, ...],
@@ -202,6 +215,7 @@ def plan_redistribute(
     src_order: ShardOrder = (),
     dst_order: ShardOrder = (),
     bandwidth: Optional[tuple[float, ...]] = None,
+    exchange: bool = True,
 ) -> RedistributePlan:
     """Cheapest plan from layout (src, src_order) to (dst, dst_order); inputs are normalized.
 
@@ -214,6 +228,9 @@ def plan_redistribute(
     goal: State = (dst, orders_of(dst, dst_order, ndim))
     weights = bandwidth or (1.0,) * len(mesh_shape)
     tie = itertools.count()
+    exchange = exchange and len(mesh_shape) > 1 and math.prod(mesh_shape) <= MAX_EXCHANGE_RANKS
+    # an exchange goes to the target with its Partial mesh dims still Replicate (partialized after)
+    unreduced: State = (tuple(Replicate() if isinstance(p, Partial) else p for p in dst), goal[1])
     # Ordered by (cost, steps): equal-cost plans go to the one with fewer steps.
     best: dict[State, tuple[float, int]] = {start: (0.0, 0)}
     queue: list[tuple[float, int, int, State, tuple[Step, ...]]] = [(0.0, 0, next(tie), start, ())]
@@ -223,6 +240,14 @@ def plan_redistribute(
             return RedistributePlan(mesh_shape, global_shape, src, dst, steps, cost)
         if (cost, nsteps) > best[state]:
             continue
+        if exchange and state != unreduced and not any(isinstance(p, Partial) for p in state[0]):
+            nbytes = exchange_bytes(mesh_shape, global_shape, itemsize, state[1], unreduced[1])
+            # ranked as if it took many steps: a tie goes to the per-mesh-dim collectives
+            key = (round(cost + nbytes / min(weights), 6), nsteps + _EXCHANGE_RANK)
+            if nbytes > 0 and key < best.get(unreduced, (math.inf, 0)):
+                best[unreduced] = key
+                step = Step("exchange", -1, state[0], unreduced[0], nbytes, unreduced[0], unreduced[1], state[1])
+                heapq.heappush(queue, (key[0], key[1], next(tie), unreduced, steps + (step,)))
         for kind, i, new, nbytes, nxt in _edges(state, mesh_shape, global_shape, itemsize, dst):
             if mesh_shape[i] == 1:
                 nbytes = 0.0

@@ -27,7 +27,7 @@ __all__ = ["COLLECTIVE", "collectives_as_nodes", "forget_calls"]
 
 # The tensor-in, tensor-out collectives that `_redistribute` and the ops reach through the
 # `_comm` module (looked up as `comm.<name>` at call time, so swapping the attribute routes them).
-_ROUTED = ("all_gather_cat", "all_to_all_cat", "all_reduce", "reduce_scatter_cat")
+_ROUTED = ("all_gather_cat", "all_to_all_cat", "all_to_all_boxes", "all_reduce", "reduce_scatter_cat")
 
 _CALLS: dict[int, tuple[Callable[..., torch.Tensor], tuple[Any, ...], dict[str, Any]]] = {}
 _IDS = itertools.count()

@@ -26,8 +26,10 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
         dst.placements,
         src.shard_order,
         dst.shard_order,
+        None,
+        mesh._whole is not None,  # a sub-mesh without a group over all its ranks cannot exchange
     )
     coordinate = mesh._coordinate
     if coordinate is None:
         return local
-    return execute_plan(local, plan, mesh._groups, coordinate)
+    return execute_plan(local, plan, mesh._groups, coordinate, mesh._whole)
