@@ -129,3 +129,17 @@ def test_a_2d_mesh_on_part_of_the_world_exchanges_over_its_own_group() -> None:
     assert [r.op for r in log] == ["all_to_all"]
     assert torch.equal(y.to_local(), expected_piece(full, mesh.shape, [Shard(1), Shard(0)], mesh.get_coordinate()))
     assert torch.equal(y.full_tensor(), full)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@distributed(world_size=4)
+def test_partial_on_every_mesh_dim_is_reduced_by_one_all_reduce_over_the_mesh(op: str) -> None:
+    from .dist_helpers import make_dtensor
+
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    full = seeded(6, 5)
+    x = make_dtensor(full, mesh, (sw.Partial(op), sw.Partial(op)))  # genuinely different terms per rank
+    with sw.comm_log() as log:
+        y = x.redistribute(mesh, [Replicate(), Replicate()])
+    assert [(r.op, r.group_size) for r in log] == [("all_reduce", 4)]
+    torch.testing.assert_close(y.to_local(), full)

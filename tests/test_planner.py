@@ -86,6 +86,19 @@ def check_plan(
     cost = 0.0
     for k, step in enumerate(plan.steps):
         i, where = step.mesh_dim, f"step {k + 1} ({step})"
+        if step.kind == "all_reduce_mesh":  # every mesh dim a term of one reduction: reduced at once
+            assert all(p == placements[0] and isinstance(p, Partial) for p in placements), where
+            assert (step.src, step.src_orders) == (placements, orders), where
+            after = (Replicate(),) * len(mesh_shape)
+            assert (step.dst, step.placements, step.orders) == (after, after, orders), where
+            n = math.prod(mesh_shape)
+            want = 2 * (n - 1) / n * local_bytes(mesh_shape, global_shape, placements, orders, itemsize)
+            assert step.bytes == pytest.approx(want), where
+            cost += step.bytes / (min(bandwidth) if bandwidth else 1.0)
+            placements = after
+            assert (placements, orders) not in seen, f"{where}: revisits a state"
+            seen.add((placements, orders))
+            continue
         if step.kind == "exchange":  # one all_to_all over the whole mesh, straight to the target
             # it lands on the target with Partials as Replicate (partialized after, for free)
             assert all(s.kind == "partialize" for s in plan.steps[k + 1 :]), f"{where}: only partialize may follow"
@@ -312,11 +325,14 @@ def test_lower_bound_bytes_on_mesh_2x2(
     check_plan(plan, (2, 2), shape, F32, src, dst)
 
 
-def test_all_reduce_over_a_2x2_mesh_is_reduce_scatter_all_reduce_all_gather() -> None:
+def test_all_reduce_over_a_2x2_mesh_is_one_all_reduce_over_the_mesh() -> None:
     plan = plan_redistribute((2, 2), (8, 8), F32, (P, P), (R, R))
     assert plan.bytes == 384  # 2 * 3/4 * 256; two all_reduces would cost 512
-    assert _kinds(plan) == ["reduce_scatter", "all_reduce", "all_gather"]
-    assert plan.steps[0].mesh_dim == plan.steps[2].mesh_dim != plan.steps[1].mesh_dim
+    assert _kinds(plan) == ["all_reduce_mesh"]
+    # without a group over the whole mesh: reduce_scatter, all_reduce, all_gather, the same bytes
+    split = plan_redistribute((2, 2), (8, 8), F32, (P, P), (R, R), exchange=False)
+    assert split.bytes == 384 and _kinds(split) == ["reduce_scatter", "all_reduce", "all_gather"]
+    assert split.steps[0].mesh_dim == split.steps[2].mesh_dim != split.steps[1].mesh_dim
 
 
 def test_nested_shards_are_undone_inside_out() -> None:
@@ -507,16 +523,23 @@ def test_plan_for_rejects_non_placements() -> None:
 
 
 def test_explain_names_each_collective_and_the_total() -> None:
-    text = explain_redistribute((2, 2), (8, 8), [P, P], [R, R])
-    plan = plan_for(AbstractMesh((2, 2)), (8, 8), [P, P], [R, R])
+    text = explain_redistribute((2, 2), (8, 8), [P, R], [R, S0])
+    plan = plan_for(AbstractMesh((2, 2)), (8, 8), [P, R], [R, S0])
     lines = text.splitlines()
-    assert lines[0] == "redistribute (8, 8) on mesh (2, 2): (P(sum), P(sum)) -> (R, R)"
+    assert lines[0] == "redistribute (8, 8) on mesh (2, 2): (P(sum), R) -> (R, S(0))"
     assert len(lines) == len(plan.steps) + 2
     for k, step in enumerate(plan.steps, 1):
         assert lines[k].strip().startswith(f"{k}. mesh dim {step.mesh_dim}: {step.src} -> {step.dst} by {step.kind}")
         assert f"({round(step.bytes)} B)" in lines[k]
-    assert {"reduce_scatter", "all_reduce", "all_gather"} <= set(re.findall(r"by (\w+)", text))
-    assert lines[-1].strip() == "total: 384 B received per rank"
+    assert {"all_reduce", "chunk"} <= set(re.findall(r"by (\w+)", text))
+    assert lines[-1].strip() == "total: 128 B received per rank"  # chunk first: the all_reduce moves half
+
+
+def test_explain_names_the_steps_over_the_whole_mesh() -> None:
+    text = explain_redistribute((2, 2), (8, 8), [P, P], [R, R])
+    assert "every mesh dim: (P(sum), P(sum)) -> (R, R) by one all_reduce over the mesh (384 B)" in text
+    text = explain_redistribute((2, 2), (8, 8), [S0, S1], [S1, S0])
+    assert "every mesh dim: (S(0), S(1)) -> (S(1), S(0)) by exchange, one all_to_all (64 B)" in text
 
 
 def test_explain_accepts_an_abstract_mesh_and_keyword_options() -> None:

@@ -17,13 +17,16 @@ moved when a `comm_log()` is active. Timeouts are those of the process groups
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
+import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,7 +42,13 @@ __all__ = [
     "broadcast",
     "all_gather_ints",
     "gather_over_mesh",
+    "run_async",
+    "wait_pending",
 ]
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,56 @@ def _record(op: str, n: int, nbytes: float) -> None:
 
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives; older releases only have the old names.
+# -- asynchronous collectives ----------------------------------------------------------------
+# `run_async(fn)` runs `fn` (a function issuing collectives through this module) on one
+# background thread per process, so compute on the calling thread overlaps it. Collectives
+# must reach every rank's process groups in the same order: the worker runs jobs first in,
+# first out, and every collective called from any other thread first waits for the jobs
+# already submitted (`_in_order`). So the order on every rank is program order, as if
+# everything ran synchronously; only the waiting moves to the first use of a result.
+
+_WORKER: list[Optional[concurrent.futures.ThreadPoolExecutor]] = [None]
+_LAST: list[Optional[concurrent.futures.Future[Any]]] = [None]
+_ON_WORKER = threading.local()
+
+
+def run_async(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    """Run `fn(*args)` after every collective issued before it; the result (or error) in a future."""
+    worker = _WORKER[0]
+    if worker is None:
+        worker = _WORKER[0] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardwise-comm")
+    context = contextvars.copy_context()  # the caller's comm_log() sees what the job moves
+
+    def job() -> T:
+        _ON_WORKER.active = True
+        return context.run(fn, *args)
+
+    future = worker.submit(job)
+    _LAST[0] = future
+    return future
+
+
+def wait_pending() -> None:
+    """Wait until every asynchronous collective submitted so far is done (their errors are
+    raised where their results are used, not here)."""
+    last = _LAST[0]
+    if last is not None and not getattr(_ON_WORKER, "active", False):
+        concurrent.futures.wait([last])
+        _LAST[0] = None
+
+
+def _in_order(fn: Callable[P, T]) -> Callable[P, T]:
+    """A collective that first waits for the asynchronous ones issued before it."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        if _LAST[0] is not None:
+            wait_pending()
+        return fn(*args, **kwargs)
+
+    return call
+
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -115,6 +174,7 @@ def _blocks(t: torch.Tensor, tensor_dim: int, sizes: Sequence[int], block: int) 
     return out.view(_stacked(len(sizes), shape)) if tensor_dim == 0 else out
 
 
+@_in_order
 def all_gather_cat(local: torch.Tensor, group: Any, n: int, tensor_dim: int, pieces: Sequence[int]) -> torch.Tensor:
     """Concatenate every rank's piece along `tensor_dim`; `pieces[j]` is rank j's size there.
 
@@ -130,6 +190,7 @@ def all_gather_cat(local: torch.Tensor, group: Any, n: int, tensor_dim: int, pie
     return torch.cat([out[j].narrow(tensor_dim, 0, p) for j, p in enumerate(pieces)], dim=tensor_dim)
 
 
+@_in_order
 def all_to_all_cat(
     local: torch.Tensor,
     group: Any,
@@ -176,6 +237,7 @@ def _region(t: torch.Tensor, box: Sequence[tuple[int, int]]) -> torch.Tensor:
     return t
 
 
+@_in_order
 def all_to_all_boxes(
     local: torch.Tensor,
     group: Any,
@@ -215,6 +277,7 @@ def all_to_all_boxes(
     return out
 
 
+@_in_order
 def all_reduce(local: torch.Tensor, group: Any, n: int, op: str) -> torch.Tensor:
     """Reduce over the group; every rank gets the result (a new tensor)."""
     out = local.contiguous().clone()
@@ -223,6 +286,7 @@ def all_reduce(local: torch.Tensor, group: Any, n: int, op: str) -> torch.Tensor
     return _finish_avg(out, op, n)
 
 
+@_in_order
 def reduce_scatter_cat(
     local: torch.Tensor, group: Any, n: int, tensor_dim: int, pieces: Sequence[int], index: int, op: str
 ) -> torch.Tensor:
@@ -241,6 +305,7 @@ def reduce_scatter_cat(
     return out if pieces[index] == biggest else out.narrow(tensor_dim, 0, pieces[index]).contiguous()
 
 
+@_in_order
 def broadcast(tensor: torch.Tensor, group: Any, n: int, src: int) -> torch.Tensor:
     """Broadcast from global rank `src` (in place on a contiguous tensor, which is returned)."""
     t = tensor.contiguous()
@@ -250,6 +315,7 @@ def broadcast(tensor: torch.Tensor, group: Any, n: int, src: int) -> torch.Tenso
     return t
 
 
+@_in_order
 def all_gather_ints(values: Sequence[int], group: Any, n: int) -> list[list[int]]:
     """Every rank's list of ints (all lists the same length): for metadata checks."""
     t = torch.tensor(list(values), dtype=torch.int64)
@@ -350,6 +416,7 @@ def _check_peer(op: str, peer: int, tensor: torch.Tensor) -> None:
                          f"stride {tensor.stride()}: pass torch.empty(shape) or .contiguous()")
 
 
+@_in_order
 def isend(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0, label: str = "a tensor") -> P2PWork:
     """Post a send of `tensor` to global rank `dst` of `group`; the buffer must not change until `wait()`."""
     _check_peer("isend", dst, tensor)
@@ -365,6 +432,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0, label: st
     return P2PWork(work, "send", dst, tag, label, buf)
 
 
+@_in_order
 def irecv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0, label: str = "a tensor") -> P2PWork:
     """Post a receive into `tensor` (contiguous) from global rank `src` of `group`."""
     _check_peer("irecv", src, tensor)

@@ -50,6 +50,10 @@ def execute_plan(
                 routes.keep,
             )
             continue
+        if kind == "all_reduce_mesh":
+            assert whole is not None and isinstance(step.src, tuple) and isinstance(step.src[0], Partial)
+            local = comm.all_reduce(local, whole[0], len(whole[1]), step.src[0].reduce_op)
+            continue
         i, n, me = step.mesh_dim, mesh_shape[step.mesh_dim], coordinate[step.mesh_dim]
         if kind == "chunk":
             assert isinstance(step.dst, Shard)

@@ -14,7 +14,8 @@ one mesh dim:
 | reduce_scatter | P(op) -> S(d) | i becomes d's innermost | (n-1) * output piece |
 | chunk | R -> S(d) | i becomes d's innermost | 0 |
 | partialize | R -> P(op) | only towards a target with P(op) on i | 0 |
-| exchange | any -> the target (Partials as R), every mesh dim at once | no Partial before | target piece less what the rank holds (see `_exchange`) |
+| exchange | any -> the target (Partials as R), every mesh dim at once | no Partial before |
+| all_reduce_mesh | P(op) on every mesh dim -> R on every mesh dim | one op | 2(N-1)/N * local, N ranks in the mesh | target piece less what the rank holds (see `_exchange`) |
 
 Several Partial mesh dims mean the global value is reduced innermost mesh dim first; a
 max/min Partial is reduced only after the later Partial mesh dims it does not commute with.
@@ -74,10 +75,11 @@ class Step:
         return orders_to_shard_order(self.placements, self.orders)
 
     def __str__(self) -> str:
-        if self.kind == "exchange":
+        if self.mesh_dim == -1:
             assert isinstance(self.src, tuple) and isinstance(self.dst, tuple)
+            how = "exchange, one all_to_all" if self.kind == "exchange" else "one all_reduce over the mesh"
             return (f"every mesh dim: {format_placements(self.src)} -> {format_placements(self.dst)} "
-                    f"by exchange, one all_to_all ({_fmt_bytes(self.bytes)})")
+                    f"by {how} ({_fmt_bytes(self.bytes)})")
         return f"mesh dim {self.mesh_dim}: {self.src} -> {self.dst} by {self.kind} ({_fmt_bytes(self.bytes)})"
 
 
@@ -184,6 +186,12 @@ def _edges(
     return out
 
 
+def _one_reduction(placements: tuple[Placement, ...]) -> bool:
+    """Every mesh dim Partial with the same reduce op."""
+    first = placements[0]
+    return isinstance(first, Partial) and all(p == first for p in placements)
+
+
 def _commute(a: str, b: str) -> bool:
     return a == b or {a, b} <= {"sum", "avg"}
 
@@ -248,6 +256,17 @@ def plan_redistribute(
                 best[unreduced] = key
                 step = Step("exchange", -1, state[0], unreduced[0], nbytes, unreduced[0], unreduced[1], state[1])
                 heapq.heappush(queue, (key[0], key[1], next(tie), unreduced, steps + (step,)))
+        if exchange and _one_reduction(state[0]):
+            # every mesh dim holds a term of one reduction: one all_reduce over the whole mesh
+            local = _local_numel(global_shape, mesh_shape, state[1]) * itemsize
+            n = math.prod(mesh_shape)
+            nbytes = 2 * (n - 1) / n * local
+            nxt = ((Replicate(),) * len(mesh_shape), state[1])
+            key = (round(cost + nbytes / min(weights), 6), nsteps + 1)
+            if key < best.get(nxt, (math.inf, 0)):
+                best[nxt] = key
+                step = Step("all_reduce_mesh", -1, state[0], nxt[0], nbytes, nxt[0], nxt[1], state[1])
+                heapq.heappush(queue, (key[0], key[1], next(tie), nxt, steps + (step,)))
         for kind, i, new, nbytes, nxt in _edges(state, mesh_shape, global_shape, itemsize, dst):
             if mesh_shape[i] == 1:
                 nbytes = 0.0

@@ -23,7 +23,7 @@ import torch
 
 from .. import _comm
 
-__all__ = ["COLLECTIVE", "collectives_as_nodes", "forget_calls"]
+__all__ = ["COLLECTIVE", "collectives_as_nodes", "forget_calls", "tracing"]
 
 # The tensor-in, tensor-out collectives that `_redistribute` and the ops reach through the
 # `_comm` module (looked up as `comm.<name>` at call time, so swapping the attribute routes them).
@@ -32,6 +32,12 @@ _ROUTED = ("all_gather_cat", "all_to_all_cat", "all_to_all_boxes", "all_reduce",
 _CALLS: dict[int, tuple[Callable[..., torch.Tensor], tuple[Any, ...], dict[str, Any]]] = {}
 _IDS = itertools.count()
 _LOCK = threading.Lock()
+_ACTIVE = [False]
+
+
+def tracing() -> bool:
+    """Whether a trace is recording collectives (they must then run in order, synchronously)."""
+    return _ACTIVE[0]
 
 _LIB = torch.library.Library("shardwise", "FRAGMENT")  # type: ignore[no-untyped-call]
 _LIB.define("collective(Tensor local, int call) -> Tensor")  # type: ignore[no-untyped-call]
@@ -64,13 +70,16 @@ def collectives_as_nodes() -> Iterator[list[int]]:
     """Inside the block, `_comm`'s tensor collectives run as `shardwise::collective` nodes;
     yields the call ids made (keep them while the graph lives, `forget_calls` after)."""
     made: list[int] = []
+    _comm.wait_pending()  # a background redistribute started before the trace finishes outside it
     with _LOCK:
         saved = {name: getattr(_comm, name) for name in _ROUTED}
         for name, fn in saved.items():
             setattr(_comm, name, _routed(fn, made))
+        _ACTIVE[0] = True
         try:
             yield made
         finally:
+            _ACTIVE[0] = False
             for name, fn in saved.items():
                 setattr(_comm, name, fn)
 

@@ -26,6 +26,8 @@ from .._ops._utils import order_like
 from .._partition_spec import PartitionEntry, from_placements
 from .._placement import Partial, Placement, Replicate
 from .._spec import DTensorSpec
+from ._async import Pending, adopt, redistribute_async, resolve
+from ._compile_comm import tracing
 from ._redistribute import redistribute_local
 
 __all__ = ["DTensor", "class_for"]
@@ -124,6 +126,8 @@ class DTensor(torch.Tensor):
         `grad_placements` declares the layout of the gradient that will flow back into the
         returned tensor (default: this tensor's placements).
         """
+        if type(self._local_tensor) is Pending:
+            self._local_tensor.wait()  # hand out the arrived piece, not a placeholder
         if not torch.is_grad_enabled():
             return self._local_tensor
         grad_spec = self._spec
@@ -144,8 +148,12 @@ class DTensor(torch.Tensor):
         """This tensor in another layout, moved with the fewest bytes (see `explain_redistribute`).
 
         Redistributing to `Partial` is refused (it is the result of ops, not a target), except
-        that a mesh dim already `Partial` may stay so. `async_op` is accepted for API
-        compatibility; on gloo the collectives run synchronously.
+        that a mesh dim already `Partial` may stay so.
+
+        `async_op=True` returns at once: the collectives run in the background, in program order
+        with every other collective, and the first op that uses the result waits for it (compute
+        issued in between overlaps the communication). The backward runs synchronously, and so
+        does everything inside `shardwise.compile`'s trace.
         """
         spec = self._spec
         if device_mesh is not None and device_mesh != spec.mesh:
@@ -166,7 +174,7 @@ class DTensor(torch.Tensor):
         target_spec = spec.with_placements(target, order)
         if target_spec == spec:
             return self
-        return _Redistribute.apply(self, target_spec)  # type: ignore[no-untyped-call,no-any-return]
+        return _Redistribute.apply(self, target_spec, async_op and not tracing())  # type: ignore[no-untyped-call,no-any-return]
 
     def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """The whole global tensor on every rank (differentiable)."""
@@ -190,21 +198,26 @@ def _grad_to(grad: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     """Local piece of `grad` (a DTensor) in the layout `spec` wants."""
     assert isinstance(grad, DTensor)
     target = _grad_target(spec)
-    return redistribute_local(grad._local_tensor, grad._spec, target)
+    return redistribute_local(resolve(grad._local_tensor), grad._spec, target)
 
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: DTensor, target: DTensorSpec) -> DTensor:
+    def forward(ctx: Any, x: DTensor, target: DTensorSpec, async_op: bool = False) -> DTensor:
         ctx.src_spec = x._spec
-        local = redistribute_local(x._local_tensor, x._spec, target)
+        if async_op:
+            pending = redistribute_async(x._local_tensor, x._spec, target)
+            out = DTensor(pending, target, requires_grad=x.requires_grad)
+            adopt(pending, out)
+            return out
+        local = redistribute_local(resolve(x._local_tensor), x._spec, target)
         return DTensor(local, target, requires_grad=x.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[Optional[DTensor], None]:
+    def backward(ctx: Any, grad: DTensor) -> tuple[Optional[DTensor], None, None]:
         spec = _grad_target(ctx.src_spec)
         local = _grad_to(grad, ctx.src_spec)
-        return DTensor(local, spec, requires_grad=False), None
+        return DTensor(local, spec, requires_grad=False), None, None
 
 
 class _ToLocal(torch.autograd.Function):
