@@ -261,12 +261,12 @@ def plan_redistribute(
             local = _local_numel(global_shape, mesh_shape, state[1]) * itemsize
             n = math.prod(mesh_shape)
             nbytes = 2 * (n - 1) / n * local
-            nxt = ((Replicate(),) * len(mesh_shape), state[1])
+            reduced: State = (tuple(Replicate() for _ in mesh_shape), state[1])
             key = (round(cost + nbytes / min(weights), 6), nsteps + 1)
-            if key < best.get(nxt, (math.inf, 0)):
-                best[nxt] = key
-                step = Step("all_reduce_mesh", -1, state[0], nxt[0], nbytes, nxt[0], nxt[1], state[1])
-                heapq.heappush(queue, (key[0], key[1], next(tie), nxt, steps + (step,)))
+            if key < best.get(reduced, (math.inf, 0)):
+                best[reduced] = key
+                step = Step("all_reduce_mesh", -1, state[0], reduced[0], nbytes, reduced[0], reduced[1], state[1])
+                heapq.heappush(queue, (key[0], key[1], next(tie), reduced, steps + (step,)))
         for kind, i, new, nbytes, nxt in _edges(state, mesh_shape, global_shape, itemsize, dst):
             if mesh_shape[i] == 1:
                 nbytes = 0.0
