@@ -5,9 +5,12 @@ model (deep copies of one seeded module) sharded the same way: the MLP through e
 library's `parallelize_module` with ColwiseParallel / RowwiseParallel, the GPT by
 hand-placed weights (Megatron: q, k, v, up split by output features, proj and down by
 input features, everything else replicated; the batch split over dp), as
-tests/test_model_parity.py places them. A plain single-process copy steps in the same
+tests/test_model_parity.py places them. A third sharded copy runs the same step through
+`shardwise.compile`: its first call creates the optimizer state, its second (in the warmup)
+traces, and every timed call replays. A plain single-process copy steps in the same
 interleaved loop, on every rank, as the yardstick. Every copy takes the same number of
-steps, so afterwards their parameters must agree: the `check` column says they do.
+steps, so afterwards their parameters must agree, and the compiled copy must have replayed
+one program: the `check` column says so.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from ._libs import LIBS, Lib, load, math_attention
 __all__ = ["mlp", "gpt_plan", "place", "mlp_body", "gpt_body", "run"]
 
 _COLUMN, _ROW = ("q", "k", "v", "up"), ("proj", "down")
+COMPILED = "shardwise_compiled"  # the copy stepped by shardwise.compile(step)
+_SHARDED = LIBS + (COMPILED,)
 
 
 def mlp(d: int, hidden: int) -> nn.Sequential:
@@ -75,7 +80,7 @@ def _time_steps(settings: Settings, steps: dict[str, Callable[[], Any]],
     samples = interleaved(steps, settings.repeats, before=dist.barrier)
     plain = dict(models["plain"].named_parameters())
     result: dict[str, Any] = {"samples": samples, "first_loss": first}
-    for name in LIBS:
+    for name in _SHARDED:
         worst = 0.0
         same = abs(first[name] - first["plain"]) <= 1e-4 * max(1.0, abs(first["plain"]))
         for pname, p in models[name].named_parameters():
@@ -95,21 +100,39 @@ def mlp_body(settings: Settings) -> dict[str, Any]:
     models: dict[str, nn.Module] = {"plain": copy.deepcopy(ref)}
     for name in LIBS:
         lib = load(name)
-        models[name] = lib.parallelize_module(copy.deepcopy(ref), lib.mesh((2,)),
-                                              {"0": lib.ColwiseParallel(), "2": lib.RowwiseParallel()})
+        mesh = lib.mesh((2,))
+        for copy_name in (name, COMPILED) if name == "shardwise" else (name,):
+            models[copy_name] = lib.parallelize_module(copy.deepcopy(ref), mesh,
+                                                       {"0": lib.ColwiseParallel(), "2": lib.RowwiseParallel()})
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
+    compiled = _compile(_mlp_step)
+    steps: dict[str, Callable[[], Any]] = {
+        k: functools.partial(compiled if k == COMPILED else _mlp_step, m, opts[k], x, y) for k, m in models.items()
+    }
+    return _run_steps(settings, steps, models, compiled)
 
-    def step(k: str) -> torch.Tensor:
-        opts[k].zero_grad(set_to_none=True)
-        loss = F.mse_loss(models[k](x), y)  # the Rowwise output comes back as a plain replicated tensor
-        loss.backward()  # type: ignore[no-untyped-call]
-        opts[k].step()
-        return loss.detach()
 
+def _mlp_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(x), y)  # the Rowwise output comes back as a plain replicated tensor
+    loss.backward()  # type: ignore[no-untyped-call]
+    opt.step()
+    return loss.detach()
+
+
+def _compile(fn: Callable[..., Any]) -> Any:
+    import shardwise
+
+    return shardwise.compile(fn)
+
+
+def _run_steps(settings: Settings, steps: dict[str, Callable[[], Any]], models: dict[str, nn.Module],
+               compiled: Any) -> dict[str, Any]:
     seen: set[str] = set()
     with quiet(seen):
-        out = _time_steps(settings, {k: functools.partial(step, k) for k in models}, models)
+        out = _time_steps(settings, steps, models)
     out["warnings"] = sorted(seen)
+    out["compiled_programs"] = compiled.programs()  # one: every call after the trace replayed it
     return out
 
 
@@ -127,25 +150,29 @@ def gpt_body(settings: Settings) -> dict[str, Any]:
     for name in LIBS:
         lib = load(name)
         mesh = lib.mesh((2, 2), ("dp", "tp"))
-        models[name] = place(ref, lib, mesh, gpt_plan)
         batch_layout = [lib.Shard(0), lib.Replicate()]
-        inputs[name] = (lib.distribute_tensor(idx, mesh, batch_layout), lib.distribute_tensor(targets, mesh, batch_layout))
-        contexts[name] = lib.implicit_replication  # position ids and the causal mask are plain tensors
+        for copy_name in (name, COMPILED) if name == "shardwise" else (name,):
+            models[copy_name] = place(ref, lib, mesh, gpt_plan)
+            inputs[copy_name] = (lib.distribute_tensor(idx, mesh, batch_layout),
+                                 lib.distribute_tensor(targets, mesh, batch_layout))
+            contexts[copy_name] = lib.implicit_replication  # position ids and the causal mask are plain tensors
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
+    compiled = _compile(_gpt_step)
+    steps: dict[str, Callable[[], Any]] = {
+        k: functools.partial(compiled if k == COMPILED else _gpt_step, m, opts[k], *inputs[k], contexts[k])
+        for k, m in models.items()
+    }
+    return _run_steps(settings, steps, models, compiled)
 
-    def step(k: str) -> Any:
-        opts[k].zero_grad(set_to_none=True)
-        with contexts[k](), math_attention():
-            loss = models[k](*inputs[k])
-            loss.backward()
-            opts[k].step()
-        return loss.detach()
 
-    seen: set[str] = set()
-    with quiet(seen):
-        out = _time_steps(settings, {k: functools.partial(step, k) for k in models}, models)
-    out["warnings"] = sorted(seen)
-    return out
+def _gpt_step(model: nn.Module, opt: torch.optim.Optimizer, idx: Any, targets: Any,
+              context: Callable[[], Any]) -> Any:
+    opt.zero_grad(set_to_none=True)
+    with context(), math_attention():
+        loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+    return loss.detach()
 
 
 def run(settings: Settings) -> list[Table]:
@@ -157,8 +184,9 @@ def run(settings: Settings) -> list[Table]:
         "steps",
         "train step (zero_grad, forward, backward, AdamW), ms per step: median over repeats of the slowest rank",
         [Column("model", "model"), Column("mesh", "mesh"), Column("plain_ms", "1-process ms", ".2f"),
-         Column("shardwise_ms", "shardwise ms", ".2f"), Column("torch_ms", "torch ms", ".2f"),
-         Column("ratio", "ratio sw/torch", ".2f"), Column("check", "check")],
+         Column("shardwise_ms", "shardwise ms", ".2f"), Column(f"{COMPILED}_ms", "sw compiled ms", ".2f"),
+         Column("torch_ms", "torch ms", ".2f"), Column("ratio", "ratio sw/torch", ".2f"),
+         Column("compiled_ratio", "ratio compiled/torch", ".2f"), Column("check", "check")],
     )
     cases = [
         (f"TP MLP {d}->{hidden}->{d}, batch {batch}", "(2,) tp", mlp_body, 2),
@@ -167,18 +195,24 @@ def run(settings: Settings) -> list[Table]:
     for label, mesh, fn, world in cases:
         per_rank = run_distributed(fn, world, settings, timeout=settings.timeout)
         row: dict[str, Any] = {"model": label, "mesh": mesh}
-        for k in ("plain",) + LIBS:
+        for k in ("plain",) + _SHARDED:
             ms = per_repeat_max_median([r["samples"][k] for r in per_rank])
             row[f"{k}_ms"] = None if ms is None else ms * 1e3
         row["ratio"] = ratio(row["shardwise_ms"], row["torch_ms"])
+        row["compiled_ratio"] = ratio(row[f"{COMPILED}_ms"], row["torch_ms"])
         row["first_loss"] = per_rank[0]["first_loss"]
-        for name in LIBS:
+        for name in _SHARDED:
             row[f"{name}_max_param_diff"] = max(r[f"{name}_max_param_diff"] for r in per_rank)
-        wrong = [n for n in LIBS if not all(r[f"{n}_ok"] for r in per_rank)]
+        row["compiled_programs"] = [r["compiled_programs"] for r in per_rank]
+        wrong = [n for n in _SHARDED if not all(r[f"{n}_ok"] for r in per_rank)]
+        if any(n != 1 for n in row["compiled_programs"]):  # it ran eagerly, or traced more than once
+            wrong.append(f"{COMPILED} (programs {row['compiled_programs']}, want 1)")
         row["check"] = "ok" if not wrong else "WRONG: " + ",".join(wrong)
         table.rows.append(row)
         for w in sorted({w for r in per_rank for w in r["warnings"]}):
             table.notes.append(f"{label}: warning: {w}")
+    table.notes.append("sw compiled: shardwise.compile over the same step function, traced in the warmup, "
+                       "so every timed call replays; AdamW's bias corrections then round to float32")
     table.notes.append("1-process: the unsharded model stepping on each rank in the same loop; "
                        "GPT attention runs as its math decomposition for all three (torch DTensor has no "
                        "strategy for the CPU flash kernel)")

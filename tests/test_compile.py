@@ -6,13 +6,18 @@ inside the compiled function: the first call traces, later calls replay. Every c
 checked against the single-device reference; the replay must not reach the DTensor
 dispatcher nor the strategy functions, and must issue the same collectives as eager. A new
 shape or layout re-traces. A train step on an `nn.Module` and an SGD-with-momentum optimizer
-(`backward()`, `step()`, `zero_grad()` inside) tracks an eager twin step for step. A
-function that reads a tensor value (`.item()`) or draws random numbers runs eagerly with a
-warning; one that reads a tensor from its closure replays it by identity, with a warning.
+(`backward()`, `step()`, `zero_grad()` inside) tracks an eager twin step for step. So do
+Adam and AdamW train steps (single-tensor and foreach, amsgrad, weight decay, maximize) on
+meshes (2,) and (2, 2), against the twin and one device: they replay although torch's Adam
+reads its step count with `.item()`, and the group's `capturable` flag compile sets for the
+trace is back as it was afterwards, also when the trace raises. A function that reads a
+tensor value (`.item()`) or draws random numbers runs eagerly with a warning; one that reads
+a tensor from its closure replays it by identity, with a warning.
 """
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import Any
 
@@ -154,6 +159,129 @@ def test_train_step_with_module_and_optimizer_tracks_eager() -> None:
                 torch.testing.assert_close(_value(buf), _value(want_buf), **TOL, msg=lambda m: f"call {call} {name}\n{m}")
     assert step.programs() == 1
     assert not [str(w.message) for w in caught if "shardwise.compile" in str(w.message)], "a warning on a train step"
+
+
+def _placed_mlp(mesh: sw.DeviceMesh) -> torch.nn.Module:
+    """The seeded MLP with Megatron-placed parameters on the last mesh dim, replicated over the others."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8))
+    rest = [Replicate()] * (mesh.ndim - 1)
+    tp = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1), "2.bias": Replicate()}
+    for name, p in list(model.named_parameters()):
+        path, _, attr = name.rpartition(".")
+        placed = sw.distribute_tensor(p.detach(), mesh, rest + [tp[name]])
+        setattr(model.get_submodule(path), attr, torch.nn.Parameter(placed))
+    return model
+
+
+def _plain_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8))
+
+
+def _adam_train(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    opt.zero_grad()
+    loss: torch.Tensor = model(x).pow(2).sum()
+    loss.backward()  # type: ignore[no-untyped-call]
+    opt.step()
+    return loss
+
+
+# Adam and AdamW configurations: the single-tensor and foreach paths, amsgrad, weight decay
+# (coupled for Adam, decoupled for AdamW) and maximize.
+_ADAMS: list[tuple[str, Any]] = [
+    ("AdamW", lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
+    ("Adam amsgrad weight_decay", lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.1)),
+    ("AdamW foreach amsgrad maximize",
+     lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, maximize=True, foreach=True)),
+    ("Adam foreach weight_decay", lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, foreach=True)),
+]
+# The replay computes Adam's bias corrections from the float32 step tensor (torch's capturable
+# path); eager computes them in Python floats: they differ by float32 rounding.
+ADAM_TOL: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _adam_case(mesh_shape: tuple[int, ...]) -> None:
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    x_lay = [Shard(0)] * (len(mesh_shape) - 1) + [Replicate()]  # on (2, 2) the batch is split over the first
+    for label, make in _ADAMS:
+        models = [_placed_mlp(mesh), _placed_mlp(mesh), _plain_mlp()]  # compiled, eager twin, one device
+        opts = [make(m.parameters()) for m in models]
+        step = sw_compile(_adam_train)
+        steps: dict[str, torch.Tensor] = {}  # each parameter's step count tensor, from the first call on
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for call in range(5):
+                what = f"mesh {mesh_shape} {label} call {call}"
+                x = seeded(4, 8, seed=30 + call)
+                with _DispatchCounter() as counter:
+                    got = step(models[0], opts[0], sw.distribute_tensor(x, mesh, x_lay))
+                if call >= 2:  # call 0 creates the state (eager), call 1 traces, then replays
+                    assert counter.count == 0, f"{what}: {counter.count} DTensor dispatches"
+                want = _adam_train(models[1], opts[1], sw.distribute_tensor(x, mesh, x_lay))
+                ref = _adam_train(models[2], opts[2], x)
+                torch.testing.assert_close(_value(got), _value(want), **ADAM_TOL, msg=lambda m: f"{what}: loss\n{m}")
+                torch.testing.assert_close(_value(got), ref.detach(), **REF_TOL, msg=lambda m: f"{what}: loss\n{m}")
+                named = zip(models[0].named_parameters(), models[1].parameters(), models[2].parameters())
+                for (name, p), q, r in named:
+                    torch.testing.assert_close(_value(p), _value(q), **ADAM_TOL, msg=lambda m: f"{what} {name}\n{m}")
+                    torch.testing.assert_close(_value(p), r.detach(), **REF_TOL, msg=lambda m: f"{what} {name}\n{m}")
+                    state, eager_state = opts[0].state[p], opts[1].state[q]
+                    assert set(state) == set(eager_state), f"{what} {name}: state {sorted(state)}"
+                    for k in sorted(state):
+                        if k != "step":
+                            torch.testing.assert_close(_value(state[k]), _value(eager_state[k]), **ADAM_TOL,
+                                                       msg=lambda m: f"{what} {name} {k}\n{m}")
+                    # the step count is one tensor the replay increments in place, never a new one
+                    assert state["step"] is steps.setdefault(name, state["step"]), f"{what} {name}: step rebound"
+                    assert state["step"].item() == eager_state["step"].item() == call + 1, f"{what} {name}"
+        done = f"mesh {mesh_shape} {label}"
+        assert step.programs() == 1, f"{done}: {step.programs()} programs"
+        assert all(not g["capturable"] for g in opts[0].param_groups), f"{done}: capturable left set"
+        messages = [str(w.message) for w in caught if "shardwise.compile" in str(w.message)]
+        assert not messages, f"{done}: {messages}"
+
+
+@distributed(world_size=2)
+def test_adam_train_step_replays_and_tracks_eager_on_2() -> None:
+    _adam_case((2,))
+
+
+@distributed(world_size=4)
+def test_adam_train_step_replays_and_tracks_eager_on_2x2() -> None:
+    _adam_case((2, 2))
+
+
+class _Boom(Exception):
+    pass
+
+
+def _adam_train_or_fail(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, fail: bool) -> None:
+    _adam_train(model, opt, x)
+    if fail:
+        raise _Boom()
+
+
+@distributed(world_size=2)
+def test_compile_leaves_adam_capturable_flag_as_it_was() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    adam_module = importlib.import_module("torch.optim.adam")
+    device_rule = adam_module._get_capturable_supported_devices
+    model = _placed_mlp(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = sw_compile(_adam_train_or_fail)
+    # call 0 creates the state, call 1 traces, call 2 replays; then fail=True is a new signature whose
+    # trace raises, and the last call replays the first program again
+    for call, fail in enumerate([False, False, False, True, False]):
+        x = sw.distribute_tensor(seeded(4, 8, seed=40 + call), mesh, [Replicate()])
+        if fail:
+            with pytest.raises(_Boom):
+                step(model, opt, x, fail)
+        else:
+            step(model, opt, x, fail)
+        assert [g["capturable"] for g in opt.param_groups] == [False], f"call {call}: capturable left set"
+        assert adam_module._get_capturable_supported_devices is device_rule, f"call {call}: device rule left patched"
+    assert step.programs() == 1, "the user's capturable=False must stay the signature the program was traced for"
 
 
 def _reads_a_value(x: DTensor) -> DTensor:

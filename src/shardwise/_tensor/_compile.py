@@ -24,10 +24,23 @@ A compiled function called inside another's trace runs as part of that trace.
 What cannot be replayed is refused after the trace and that signature runs eagerly from
 then on, with a one-time warning naming the reason: values read back into Python
 (`.item()`, data-dependent shapes), random ops, collectives outside `shardwise._comm`,
-and an input DTensor whose layout `fn` changed in place. So Adam and AdamW, which read
-their step count with `.item()` unless `capturable`, run eagerly; SGD, with or without
-momentum, replays. Outputs carry no autograd history (they are detached, on the traced
-call too): the replay is not differentiable from outside, so take gradients inside `fn`.
+and an input DTensor whose layout `fn` changed in place. Outputs carry no autograd history
+(they are detached, on the traced call too): the replay is not differentiable from outside,
+so take gradients inside `fn`.
+
+Optimizers: SGD, with or without momentum, replays. So do Adam and AdamW. With
+`capturable=False`, their default, torch's Adam reads its step count into Python to form the
+bias corrections `1 - beta ** step`, which a trace would bake in as constants; so while
+tracing, each Adam/AdamW argument whose parameters are on the CPU (and that is neither
+`differentiable` nor `fused`) steps on torch's `capturable` path, which computes them from
+the step-count tensor inside the graph. The flag is set for the trace only. The step count
+stays one 0-dim tensor that every replay increments in place. That path rounds the bias
+corrections to float32 where eager keeps Python floats: beta2 = 0.999 is not exact in float32
+and `1 - beta2 ** step` cancels, so in the first thousand steps it is off by about 1e-5 to
+2e-5 relative and each update's size by half that (after a few steps at lr = 1e-2, parameters
+differ from eager by a few 1e-7), as with torch's own `capturable=True`. Other
+optimizers that read a step count with `.item()` (Adagrad, Adamax, ASGD, NAdam, RAdam,
+Adafactor) and Adam on other devices run eagerly, with the warning.
 
 Python control flow on tensor values, and tensors `fn` reads from its closure rather than
 its arguments, are traced as they were on the first call (closure tensors by identity,
@@ -39,9 +52,11 @@ every call, so rebinding them between calls is fine).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -54,6 +69,9 @@ from ._dtensor import DTensor
 from ._replay_code import compile_graph
 
 __all__ = ["CompiledFunction", "compile"]
+
+# the module torch.optim.adam (not an attribute of torch.optim): where Adam looks up its capturable device rule
+_ADAM_MODULE = importlib.import_module("torch.optim.adam")
 
 # A place holding a tensor besides the arguments: (getter, setter or None when fn may not rebind it).
 _Slot = tuple[Callable[[], Any], Optional[Callable[[Any], None]]]
@@ -102,6 +120,45 @@ def _slots(leaves: list[Any]) -> tuple[list[_Slot], list[Hashable]]:
         slots.append(_fixed_slot(p))
         slots.append(_attr_slot(p, "grad"))
     return slots, extra
+
+
+def _reads_step_count(group: dict[str, Any]) -> bool:
+    """Whether an Adam/AdamW param group reads its step count into Python and its capturable
+    path can stand in during a trace: neither `capturable` nor `differentiable` nor `fused`,
+    and every parameter on the CPU, where the step count lives too (the path's device rule)."""
+    return (not group["capturable"] and not group["differentiable"] and not group["fused"]
+            and all(p.device.type == "cpu" for p in group["params"]))
+
+
+@contextlib.contextmanager
+def _adam_steps_as_tensors(leaves: list[Any]) -> Iterator[None]:
+    """While tracing, step Adam and AdamW arguments on their `capturable` path.
+
+    With `capturable=False` torch's Adam turns its step count into a Python float and bakes
+    the bias corrections `1 - beta ** step` in as constants; with `capturable=True` it computes
+    them from the step tensor, so the graph recomputes them from the current count on every
+    replay. The flag is set only for the trace (the signature was taken before and sees the
+    user's value), and torch's device rule for capturable steps is widened to the CPU.
+    """
+    groups = [group for leaf in leaves if isinstance(leaf, torch.optim.Adam)
+              for group in leaf.param_groups if _reads_step_count(group)]
+    if not groups:
+        yield
+        return
+    supported = _ADAM_MODULE._get_capturable_supported_devices
+
+    def with_cpu(supports_xla: bool = True) -> list[str]:
+        return [*supported(supports_xla), "cpu"]
+
+    for group in groups:
+        group["capturable"] = True
+    setattr(_ADAM_MODULE, "_get_capturable_supported_devices", with_cpu)
+    try:
+        yield
+    finally:
+        setattr(_ADAM_MODULE, "_get_capturable_supported_devices", supported)
+        for group in groups:
+            group["capturable"] = False
 
 
 def _hashable(v: Any) -> bool:
@@ -246,9 +303,10 @@ class CompiledFunction:
         with collectives_as_nodes() as calls:
             # values read into Python are recorded, not refused here: `_refusal` names them after the run
             try:
-                gm = make_fx(traced, tracing_mode="real", _error_on_data_dependent_ops=False)(
-                    *[_local(t) for t in inputs if isinstance(t, torch.Tensor)]
-                )
+                with _adam_steps_as_tensors(leaves):
+                    gm = make_fx(traced, tracing_mode="real", _error_on_data_dependent_ops=False)(
+                        *[_local(t) for t in inputs if isinstance(t, torch.Tensor)]
+                    )
             finally:
                 _TRACING[0] = False
         out, out_tree, after = seen["out"], seen["tree"], seen["after"]
