@@ -266,3 +266,30 @@ def test_parallelize_module_checks_its_plan_before_any_collective() -> None:
             parallelize_module(model, mesh["tp"], {"upp": ColwiseParallel(), "": RowwiseParallel()})
     assert log == []
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,)])
+@distributed(world_size=4)
+def test_rowwise_replicated_bias_gets_a_replicated_gradient_and_the_optimizer_moves_nothing(
+    mesh_shape: tuple[int, ...]
+) -> None:
+    # Regression: summing the replicated output gradient into the bias gradient chose to chunk
+    # it (less memory, same zero cost), so the Replicate bias got a Shard(0) gradient and every
+    # optimizer op on it all_gathered it back.
+    mesh = sw.DeviceMesh("cpu", list(range(mesh_shape[0])))
+    if mesh.get_coordinate() is None:
+        return
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(4, 8)
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    bias = model[2].bias
+    assert bias.placements == (Replicate(),) and bias.grad.placements == (Replicate(),)
+    torch.testing.assert_close(bias.grad.to_local(), ref[2].bias.grad)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with sw.comm_log() as log:
+        opt.step()
+    assert log == [], [r.op for r in log]

@@ -303,6 +303,11 @@ class DeviceMesh(AbstractMesh):
 
     __hash__ = AbstractMesh.__hash__
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeviceMesh:
+        # a mesh names process groups, which cannot be copied: `copy.deepcopy(model)` of a
+        # sharded model shares it, as it shares the processes
+        return self
+
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self._grid.tolist()}{names})"

@@ -7,7 +7,7 @@ cache keys every op call on the specs of its arguments.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +36,9 @@ class DTensorSpec:
     """Layout of a distributed tensor; placements are already validated and normalized."""
 
     __slots__ = ("mesh", "placements", "tensor_meta", "shard_order", "_hash")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DTensorSpec:
+        return self  # immutable, and its mesh holds process groups
 
     mesh: AbstractMesh
     placements: tuple[Placement, ...]

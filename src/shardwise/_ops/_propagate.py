@@ -137,7 +137,7 @@ def _writeback_cost(schema: OpSchema, candidate: PlacementStrategy) -> float:
 
 
 def _pick(schema: OpSchema, strategy: OpStrategy, specs: list[DTensorSpec]) -> PlacementStrategy:
-    best: Optional[tuple[float, int, int, PlacementStrategy]] = None
+    best: Optional[tuple[float, int, int, int, PlacementStrategy]] = None
     for candidate in strategy.strategies:
         if len(candidate.input_specs) != len(specs):
             raise ValueError(
@@ -151,15 +151,23 @@ def _pick(schema: OpSchema, strategy: OpStrategy, specs: list[DTensorSpec]) -> P
         cost += _writeback_cost(schema, candidate)
         if math.isinf(cost):
             continue
-        # ties: less memory, then fewer inputs re-laid out (on a mesh dim of size 1 a Shard and
-        # a Replicate cost and weigh the same: keep what the input has)
+        # ties: fewer Partial outputs (each is a reduction still to pay), then fewer inputs
+        # re-laid out (keep what the inputs have: chunking a replicated bias gradient to sum
+        # it saves memory now and costs a gather in every optimizer op after), then less memory
         moved = sum(_target(s, lay) is not None for s, lay in zip(specs, candidate.input_specs))
-        key = (round(cost, 6), _memory(candidate, specs, schema.output_meta()), moved, candidate)
-        if best is None or key[:3] < best[:3]:
+        key = (round(cost, 6), _pending(candidate), moved, _memory(candidate, specs, schema.output_meta()), candidate)
+        if best is None or key[:4] < best[:4]:
             best = key
     if best is None:
         raise ValueError(f"no strategy of {schema.op} accepts the inputs {schema}: {strategy}")
-    return best[3]
+    return best[4]
+
+
+def _pending(strategy: PlacementStrategy) -> int:
+    """Partial mesh dims in the outputs: reductions left for later."""
+    outs = strategy.output_specs
+    layouts = outs if isinstance(outs, tuple) else (outs,)
+    return sum(isinstance(p, Partial) for lay in layouts if isinstance(lay, Layout) for p in lay.placements)
 
 
 def _target(spec: DTensorSpec, lay: Optional[Layout]) -> Optional[DTensorSpec]:

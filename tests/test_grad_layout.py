@@ -1,0 +1,67 @@
+"""A DTensor leaf's accumulated gradient takes the leaf's layout: Partial terms are reduced
+once, when backward accumulates them, not by every optimizer op that reads the gradient
+(torch's DTensor leaves it Partial, so an AdamW step reduces each such gradient 3-4 times)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise import Partial, Replicate, Shard
+from shardwise.testing import distributed
+
+from .dist_helpers import seeded
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+@distributed(world_size=4)
+def test_a_replicated_weight_on_a_split_batch_gets_a_replicated_gradient_once(mesh_shape: tuple[int, ...]) -> None:
+    mesh = sw.init_device_mesh("cpu", mesh_shape)
+    rest = [Replicate()] * (len(mesh_shape) - 1)
+    w_full = seeded(6, 5)
+    w = nn.Parameter(sw.distribute_tensor(w_full, mesh, rest + [Replicate()]))
+    v = nn.Parameter(sw.distribute_tensor(w_full.t().contiguous(), mesh, rest + [Shard(0)]))  # (5, 6) rows split
+    ref_w, ref_v = w_full.clone().requires_grad_(True), w_full.t().contiguous().requires_grad_(True)
+    x_full = seeded(8, 6, seed=3)
+    x = sw.distribute_tensor(x_full, mesh, [Shard(0)] * len(mesh_shape))  # the batch over every mesh dim
+    for _ in range(2):  # two backward passes accumulate: each reduces its own term
+        with sw.comm_log() as log:
+            ((x @ w) @ v).pow(2).sum().backward()
+        ((x_full @ ref_w) @ ref_v).pow(2).sum().backward()
+        assert "all_reduce" in [r.op for r in log]
+    assert w.grad.placements == w.placements and v.grad.placements == v.placements
+    torch.testing.assert_close(w.grad.full_tensor(), ref_w.grad)
+    torch.testing.assert_close(v.grad.full_tensor(), ref_v.grad)
+    opt = torch.optim.AdamW([w, v], lr=0.1)
+    with sw.comm_log() as log:
+        opt.step()
+    assert log == [], [r.op for r in log]
+
+
+@distributed(world_size=2)
+def test_a_partial_leaf_and_a_plain_grad_are_left_as_they_are() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    p = sw.distribute_tensor(seeded(4), mesh, [Replicate()])
+    q = sw.DTensor.from_local(seeded(4), mesh, [Partial()]).detach().requires_grad_(True)  # a Partial leaf
+    (p.requires_grad_(True) * q).sum().backward()
+    assert p.grad.placements == (Replicate(),)
+    assert q.grad.placements == (Replicate(),)  # what flows to a Partial term: the whole gradient, as before
+
+
+@distributed(world_size=2)
+def test_deepcopy_of_a_sharded_parameter_works_and_keeps_one_gradient_hook() -> None:
+    # Regression: deepcopy of a DTensor copied its spec's mesh, whose process groups cannot be
+    # copied (TypeError: cannot pickle ProcessGroup): an EMA copy of a sharded model failed.
+    mesh = sw.init_device_mesh("cpu", (2,))
+    w = nn.Parameter(sw.distribute_tensor(seeded(3, 3), mesh, [Replicate()]))
+    w.requires_grad_(True)
+    w.requires_grad_(True)
+    assert len(w._post_accumulate_grad_hooks) == 1
+    twin = copy.deepcopy(nn.ParameterList([w]))[0]
+    x = sw.distribute_tensor(seeded(4, 3), mesh, [Shard(0)])
+    (x @ twin).sum().backward()
+    assert twin.grad is not None and twin.grad.placements == (Replicate(),)
