@@ -42,7 +42,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert len(machine["load_average_start"]) == 3 and len(machine["load_average_end"]) == 3
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
-    assert set(record["benchmarks"]) == {"overhead", "redistribute", "steps", "memory"}
+    assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory"}
 
 
 def test_every_overhead_row_is_there_for_both_libraries(quick_run: Any) -> None:
@@ -91,8 +91,18 @@ def test_train_steps_and_memory_rows(quick_run: Any) -> None:
     assert "memory of the TP MLP step" in proc.stdout and "train step" in proc.stdout
 
 
+def test_overlap_rows_time_sync_and_async_for_both_libraries(quick_run: Any) -> None:
+    proc, record = quick_run
+    rows = record["benchmarks"]["overlap"]["rows"]
+    assert [r["library"] for r in rows] == ["shardwise", "torch"]
+    for r in rows:
+        assert r["check"] == "ok", r  # sync and async both gave the single-device result
+        assert isinstance(r["sync_ms"], float) and isinstance(r["async_ms"], float), r
+    assert "async redistribute" in proc.stdout
+
+
 def test_entry_point_rejects_unknown_benchmarks() -> None:
     proc = subprocess.run([sys.executable, "bench/run.py", "--only", "overhead,nope"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "nope" in proc.stderr and "overhead,redistribute,steps,memory" in proc.stderr
+    assert "nope" in proc.stderr and "overhead,redistribute,overlap,steps,memory" in proc.stderr
