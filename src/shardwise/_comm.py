@@ -44,6 +44,8 @@ __all__ = [
     "gather_over_mesh",
     "run_async",
     "wait_pending",
+    "Started",
+    "start",
 ]
 
 
@@ -174,20 +176,62 @@ def _blocks(t: torch.Tensor, tensor_dim: int, sizes: Sequence[int], block: int) 
     return out.view(_stacked(len(sizes), shape)) if tensor_dim == 0 else out
 
 
+Finish = Callable[[], torch.Tensor]
+Issued = tuple[Any, Finish]  # (the Work handle, or None when synchronous; what builds the result after it)
+
+
+def _gather(local: torch.Tensor, group: Any, n: int, tensor_dim: int, pieces: Sequence[int],
+            async_op: bool) -> Issued:
+    biggest = max(pieces)
+    mine = _pad_to(local, tensor_dim, biggest).contiguous()
+    out = mine.new_empty((n,) + tuple(mine.shape))
+    work = _all_gather_single(out.view(_stacked(n, mine.shape)), mine, group=group, async_op=async_op)
+    _record("all_gather", n, (n - 1) * mine.numel() * mine.element_size())
+
+    def finish() -> torch.Tensor:
+        if tensor_dim == 0 and all(p == biggest for p in pieces):
+            return out.view(_stacked(n, mine.shape))
+        return torch.cat([out[j].narrow(tensor_dim, 0, p) for j, p in enumerate(pieces)], dim=tensor_dim)
+
+    return work, finish
+
+
 @_in_order
 def all_gather_cat(local: torch.Tensor, group: Any, n: int, tensor_dim: int, pieces: Sequence[int]) -> torch.Tensor:
     """Concatenate every rank's piece along `tensor_dim`; `pieces[j]` is rank j's size there.
 
     The pieces travel as they are laid out (padded to the largest along `tensor_dim`) and
     are stitched together after: no transposing copy for a split on an inner dim."""
-    biggest = max(pieces)
-    mine = _pad_to(local, tensor_dim, biggest).contiguous()
-    out = mine.new_empty((n,) + tuple(mine.shape))
-    _all_gather_single(out.view(_stacked(n, mine.shape)), mine, group=group)
-    _record("all_gather", n, (n - 1) * mine.numel() * mine.element_size())
-    if tensor_dim == 0 and all(p == biggest for p in pieces):
-        return out.view(_stacked(n, mine.shape))
-    return torch.cat([out[j].narrow(tensor_dim, 0, p) for j, p in enumerate(pieces)], dim=tensor_dim)
+    return _gather(local, group, n, tensor_dim, pieces, False)[1]()
+
+
+def _to_all(local: torch.Tensor, group: Any, n: int, split_dim: int, cat_dim: int, split_sizes: Sequence[int],
+            cat_pieces: Sequence[int], index: int, async_op: bool) -> Issued:
+    me = index
+    sends = torch.split(local, list(split_sizes), dim=split_dim)
+    send_numels = [p.numel() for p in sends]
+    flat_in = local.new_empty(sum(send_numels))
+    for piece, chunk in zip(sends, torch.split(flat_in, send_numels)):
+        chunk.view(piece.shape).copy_(piece)
+    mine_shape = list(local.shape)
+    mine_shape[split_dim] = split_sizes[me]
+    recv_shapes = []
+    for p in cat_pieces:
+        s = list(mine_shape)
+        s[cat_dim] = p
+        recv_shapes.append(s)
+    recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
+    flat_out = local.new_empty(sum(recv_numels))
+    work = dist.all_to_all_single(
+        flat_out, flat_in, output_split_sizes=recv_numels, input_split_sizes=send_numels, group=group, async_op=async_op
+    )
+    _record("all_to_all", n, (sum(recv_numels) - recv_numels[me]) * local.element_size())
+
+    def finish() -> torch.Tensor:
+        pieces = [chunk.view(s) for chunk, s in zip(torch.split(flat_out, recv_numels), recv_shapes)]
+        return torch.cat(pieces, dim=cat_dim)
+
+    return work, finish
 
 
 @_in_order
@@ -208,33 +252,44 @@ def all_to_all_cat(
     place in the group. Moves (n-1)/n of the local
     tensor, the all_to_all lower bound, where an all_gather would move (n-1) times it.
     """
-    me = index
-    sends = torch.split(local, list(split_sizes), dim=split_dim)
-    send_numels = [p.numel() for p in sends]
-    flat_in = local.new_empty(sum(send_numels))
-    for piece, chunk in zip(sends, torch.split(flat_in, send_numels)):
-        chunk.view(piece.shape).copy_(piece)
-    mine_shape = list(local.shape)
-    mine_shape[split_dim] = split_sizes[me]
-    recv_shapes = []
-    for p in cat_pieces:
-        s = list(mine_shape)
-        s[cat_dim] = p
-        recv_shapes.append(s)
-    recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
-    flat_out = local.new_empty(sum(recv_numels))
-    dist.all_to_all_single(
-        flat_out, flat_in, output_split_sizes=recv_numels, input_split_sizes=send_numels, group=group
-    )
-    _record("all_to_all", n, (sum(recv_numels) - recv_numels[me]) * local.element_size())
-    pieces = [chunk.view(s) for chunk, s in zip(torch.split(flat_out, recv_numels), recv_shapes)]
-    return torch.cat(pieces, dim=cat_dim)
+    return _to_all(local, group, n, split_dim, cat_dim, split_sizes, cat_pieces, index, False)[1]()
 
 
 def _region(t: torch.Tensor, box: Sequence[tuple[int, int]]) -> torch.Tensor:
     for d, (start, length) in enumerate(box):
         t = t.narrow(d, start, length)
     return t
+
+
+def _boxes(local: torch.Tensor, group: Any, n: int, out_shape: Sequence[int],
+           sends: Sequence[tuple[int, Sequence[tuple[int, int]]]], recvs: Sequence[tuple[int, Sequence[tuple[int, int]]]],
+           keep: Optional[tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]]], async_op: bool) -> Issued:
+    send_numels, recv_numels = [0] * n, [0] * n
+    for rank, box in sends:
+        send_numels[rank] = math.prod(length for _, length in box)
+    for rank, box in recvs:
+        recv_numels[rank] = math.prod(length for _, length in box)
+    flat_in = local.new_empty(sum(send_numels))
+    offsets = list(itertools.accumulate(send_numels, initial=0))
+    for rank, box in sends:
+        piece = _region(local, box)
+        flat_in.narrow(0, offsets[rank], send_numels[rank]).view(piece.shape).copy_(piece)
+    flat_out = local.new_empty(sum(recv_numels))
+    out = local.new_empty(tuple(out_shape))
+    if keep is not None:  # before the collective: the local part needs no wait
+        _region(out, keep[1]).copy_(_region(local, keep[0]))
+    work = dist.all_to_all_single(flat_out, flat_in, output_split_sizes=recv_numels, input_split_sizes=send_numels,
+                                  group=group, async_op=async_op)
+    _record("all_to_all", n, flat_out.numel() * local.element_size())
+
+    def finish() -> torch.Tensor:
+        starts = list(itertools.accumulate(recv_numels, initial=0))
+        for rank, box in recvs:
+            target = _region(out, box)
+            target.copy_(flat_out.narrow(0, starts[rank], recv_numels[rank]).view(target.shape))
+        return out
+
+    return work, finish
 
 
 @_in_order
@@ -253,37 +308,38 @@ def all_to_all_boxes(
     result) that arrives from there; `keep`: (box of `local`, box of the result) copied
     locally. A box is (start, length) per tensor dim. Exact sizes, no padding.
     """
-    send_numels, recv_numels = [0] * n, [0] * n
-    for rank, box in sends:
-        send_numels[rank] = math.prod(length for _, length in box)
-    for rank, box in recvs:
-        recv_numels[rank] = math.prod(length for _, length in box)
-    flat_in = local.new_empty(sum(send_numels))
-    offsets = list(itertools.accumulate(send_numels, initial=0))
-    for rank, box in sends:
-        piece = _region(local, box)
-        flat_in.narrow(0, offsets[rank], send_numels[rank]).view(piece.shape).copy_(piece)
-    flat_out = local.new_empty(sum(recv_numels))
-    dist.all_to_all_single(flat_out, flat_in, output_split_sizes=recv_numels, input_split_sizes=send_numels,
-                           group=group)
-    _record("all_to_all", n, flat_out.numel() * local.element_size())
-    out = local.new_empty(tuple(out_shape))
-    if keep is not None:
-        _region(out, keep[1]).copy_(_region(local, keep[0]))
-    offsets = list(itertools.accumulate(recv_numels, initial=0))
-    for rank, box in recvs:
-        target = _region(out, box)
-        target.copy_(flat_out.narrow(0, offsets[rank], recv_numels[rank]).view(target.shape))
-    return out
+    return _boxes(local, group, n, out_shape, sends, recvs, keep, False)[1]()
+
+
+def _reduce(local: torch.Tensor, group: Any, n: int, op: str, async_op: bool) -> Issued:
+    out = local.contiguous().clone()
+    work = dist.all_reduce(out, op=_DIST_OPS[op], group=group, async_op=async_op)
+    _record("all_reduce", n, 2 * (n - 1) / n * out.numel() * out.element_size())
+    return work, lambda: _finish_avg(out, op, n)
 
 
 @_in_order
 def all_reduce(local: torch.Tensor, group: Any, n: int, op: str) -> torch.Tensor:
     """Reduce over the group; every rank gets the result (a new tensor)."""
-    out = local.contiguous().clone()
-    dist.all_reduce(out, op=_DIST_OPS[op], group=group)
-    _record("all_reduce", n, 2 * (n - 1) / n * out.numel() * out.element_size())
-    return _finish_avg(out, op, n)
+    return _reduce(local, group, n, op, False)[1]()
+
+
+def _scatter(local: torch.Tensor, group: Any, n: int, tensor_dim: int, pieces: Sequence[int], index: int, op: str,
+             async_op: bool) -> Issued:
+    biggest = max(pieces)
+    packed = _blocks(local, tensor_dim, pieces, biggest)  # (n * biggest, ...) or (n, ..., biggest, ...)
+    shape = list(local.shape)
+    shape[tensor_dim] = biggest
+    out = local.new_empty(shape)
+    work = _reduce_scatter_single(out, packed.view(_stacked(n, shape)) if tensor_dim else packed,
+                                  op=_DIST_OPS[op], group=group, async_op=async_op)
+    _record("reduce_scatter", n, (n - 1) * out.numel() * out.element_size())
+
+    def finish() -> torch.Tensor:
+        mine = _finish_avg(out, op, n)
+        return mine if pieces[index] == biggest else mine.narrow(tensor_dim, 0, pieces[index]).contiguous()
+
+    return work, finish
 
 
 @_in_order
@@ -293,16 +349,41 @@ def reduce_scatter_cat(
     """Reduce over the group and keep piece `index` along `tensor_dim` (`pieces[j]` sizes).
 
     The pieces are packed one after another (padded to the largest), not transposed."""
-    biggest = max(pieces)
-    packed = _blocks(local, tensor_dim, pieces, biggest)  # (n * biggest, ...) or (n, ..., biggest, ...)
-    shape = list(local.shape)
-    shape[tensor_dim] = biggest
-    out = local.new_empty(shape)
-    _reduce_scatter_single(out, packed.view(_stacked(n, shape)) if tensor_dim else packed,
-                           op=_DIST_OPS[op], group=group)
-    _record("reduce_scatter", n, (n - 1) * out.numel() * out.element_size())
-    out = _finish_avg(out, op, n)
-    return out if pieces[index] == biggest else out.narrow(tensor_dim, 0, pieces[index]).contiguous()
+    return _scatter(local, group, n, tensor_dim, pieces, index, op, False)[1]()
+
+
+class Started:
+    """A collective issued asynchronously: `result()` waits for it and builds the result
+    (once); `done()` says whether waiting would return at once."""
+
+    __slots__ = ("_work", "_finish", "_value")
+
+    def __init__(self, work: Any, finish: Finish) -> None:
+        self._work, self._finish = work, finish
+        self._value: Optional[torch.Tensor] = None
+
+    def done(self) -> bool:
+        return self._value is not None or bool(self._work.is_completed())
+
+    def result(self) -> torch.Tensor:
+        if self._value is None:
+            self._work.wait()
+            self._value = self._finish()
+        return self._value
+
+
+_ISSUE: dict[str, Callable[..., Issued]] = {
+    "all_gather_cat": _gather, "all_to_all_cat": _to_all, "all_to_all_boxes": _boxes,
+    "all_reduce": _reduce, "reduce_scatter_cat": _scatter,
+}
+
+
+@_in_order
+def start(name: str, *args: Any) -> Started:
+    """Issue the collective `name` (one of the tensor collectives above, same arguments)
+    without waiting: the process group runs it in the background, in issue order."""
+    work, finish = _ISSUE[name](*args, True)
+    return Started(work, finish)
 
 
 @_in_order

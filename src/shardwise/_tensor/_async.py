@@ -1,7 +1,8 @@
 """`redistribute(async_op=True)`: the collectives run in the background; the first use waits.
 
-The plan runs on `_comm`'s worker thread (`run_async`), which keeps collectives in program
-order on every rank. The returned DTensor's local piece is a `_Pending` tensor: it knows
+A plan of one collective (most are) is issued at once with the process group's own
+`async_op`; a longer plan runs on `_comm`'s worker thread (`run_async`), which keeps
+collectives in program order on every rank. The returned DTensor's local piece is a `_Pending` tensor: it knows
 its shape, dtype and device, and any op that reaches it waits for the collective and runs
 on the arrived piece. After that wait the DTensor holds the arrived piece itself, so later
 ops pay nothing. Compute issued between the redistribute and the first use overlaps the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -30,13 +31,13 @@ __all__ = ["Pending", "adopt", "redistribute_async", "resolve"]
 class Pending(torch.Tensor):
     """A local piece still arriving; any op on it waits for it first."""
 
-    _future: Future[torch.Tensor]
+    _future: Union[Future[torch.Tensor], _comm.Started]
     _owner: Optional[weakref.ref[Any]]
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
-    def __new__(cls, future: Future[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
+    def __new__(cls, future: Union[Future[torch.Tensor], _comm.Started], shape: tuple[int, ...], dtype: torch.dtype,
                 device: torch.device) -> Pending:
         r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
         r._future = future
@@ -69,14 +70,21 @@ def resolve(local: torch.Tensor) -> torch.Tensor:
 
 
 def redistribute_async(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Pending:
-    """Start moving `local` from `src` to `dst`; the piece, once it arrives, is contiguous."""
-    from ._redistribute import redistribute_local
+    """Start moving `local` from `src` to `dst`.
 
-    def run() -> torch.Tensor:
-        return redistribute_local(resolve(local), src, dst).contiguous()
+    A plan of one collective is issued here with the process group's own `async_op` (no
+    thread of ours in between); a longer plan runs on `_comm`'s worker thread."""
+    from ._redistribute import redistribute_local, start_redistribute
 
     coordinate = src.mesh._coordinate  # type: ignore[attr-defined]
     shape = dst.local_shape_and_offset(coordinate)[0] if coordinate is not None else tuple(local.shape)
+    started = start_redistribute(resolve(local), src, dst)
+    if started is not None:
+        return Pending(started, shape, local.dtype, local.device)
+
+    def run() -> torch.Tensor:
+        return redistribute_local(resolve(local), src, dst)
+
     return Pending(_comm.run_async(run), shape, local.dtype, local.device)
 
 

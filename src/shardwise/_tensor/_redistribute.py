@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .._mesh import DeviceMesh
 from .._redistribute import plan_redistribute
-from .._redistribute._execute import execute_plan
+from .._comm import Started
+from .._redistribute import RedistributePlan
+from .._redistribute._execute import execute_plan, start_plan
 from .._spec import DTensorSpec
 
-__all__ = ["redistribute_local"]
+__all__ = ["redistribute_local", "start_redistribute"]
 
 
-def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
-    """This rank's piece of the same global tensor in layout `dst` (same mesh)."""
-    if src.placements == dst.placements and src.shard_order == dst.shard_order:
-        return local
+def _plan(src: DTensorSpec, dst: DTensorSpec) -> tuple[DeviceMesh, RedistributePlan]:
     mesh = src.mesh
     assert isinstance(mesh, DeviceMesh)
     plan = plan_redistribute(
@@ -29,7 +30,24 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
         None,
         mesh._whole is not None,  # a sub-mesh without a group over all its ranks cannot exchange
     )
+    return mesh, plan
+
+
+def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
+    """This rank's piece of the same global tensor in layout `dst` (same mesh)."""
+    if src.placements == dst.placements and src.shard_order == dst.shard_order:
+        return local
+    mesh, plan = _plan(src, dst)
     coordinate = mesh._coordinate
     if coordinate is None:
         return local
     return execute_plan(local, plan, mesh._groups, coordinate, mesh._whole)
+
+
+def start_redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Optional[Started]:
+    """Issue a redistribute that is one collective without waiting for it (None otherwise)."""
+    mesh, plan = _plan(src, dst)
+    coordinate = mesh._coordinate
+    if coordinate is None:
+        return None
+    return start_plan(local, plan, mesh._groups, coordinate, mesh._whole)
