@@ -65,3 +65,26 @@ def test_deepcopy_of_a_sharded_parameter_works_and_keeps_one_gradient_hook() -> 
     x = sw.distribute_tensor(seeded(4, 3), mesh, [Shard(0)])
     (x @ twin).sum().backward()
     assert twin.grad is not None and twin.grad.placements == (Replicate(),)
+
+
+@distributed(world_size=4)
+def test_partial_gradients_of_one_backward_are_reduced_together_in_one_all_reduce() -> None:
+    mesh = sw.init_device_mesh("cpu", (2, 2))
+    weights = [seeded(6, 6, seed=k) for k in range(5)]
+    params = [nn.Parameter(sw.distribute_tensor(w, mesh, [Replicate(), Replicate()])) for w in weights]
+    sharded = nn.Parameter(sw.distribute_tensor(seeded(6, 6, seed=9), mesh, [Shard(0), Replicate()]))
+    refs = [w.clone().requires_grad_(True) for w in weights + [seeded(6, 6, seed=9)]]
+    x_full = seeded(8, 6, seed=3)
+    x = sw.distribute_tensor(x_full, mesh, [Shard(0), Shard(0)])
+    h, h_ref = x, x_full
+    for p, r in zip(params + [sharded], refs):
+        h, h_ref = torch.tanh(h @ p), torch.tanh(h_ref @ r)
+    with sw.comm_log() as log:
+        h.pow(2).sum().backward()
+    h_ref.pow(2).sum().backward()
+    # the five replicated weights' gradients: one all_reduce over the 4 ranks together
+    big = [r for r in log if r.op == "all_reduce" and r.bytes_received >= 5 * 36 * 4 * 2 * 3 / 4]
+    assert len(big) == 1, [(r.op, r.group_size, r.bytes_received) for r in log]
+    for p, r in zip(params + [sharded], refs):
+        assert p.grad.placements == p.placements
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad)

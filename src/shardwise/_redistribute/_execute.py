@@ -13,7 +13,7 @@ from .._placement import Partial, Shard
 from ._exchange import exchange_routes
 from ._planner import RedistributePlan, Step
 
-__all__ = ["execute_plan", "start_plan"]
+__all__ = ["Call", "execute_plan", "single_collective"]
 
 
 def _local_size(size: int, mesh_shape: Sequence[int], splitters: Sequence[int], coordinate: Sequence[int]) -> int:
@@ -108,15 +108,14 @@ def execute_plan(
     return local
 
 
-def start_plan(
+def single_collective(
     local: torch.Tensor,
     plan: RedistributePlan,
     groups: Sequence[Any],
     coordinate: tuple[int, ...],
     whole: Optional[tuple[Any, Sequence[int]]] = None,
-) -> Optional[comm.Started]:
-    """Issue a plan of exactly one collective without waiting for it; None for any other plan."""
+) -> Optional[Call]:
+    """The one `_comm` collective a plan of exactly one such step makes; None for any other plan."""
     if len(plan.steps) != 1:
         return None
-    call = _collective(plan.steps[0], local, plan, groups, coordinate, whole)
-    return None if call is None else comm.start(call[0], *call[1])
+    return _collective(plan.steps[0], local, plan, groups, coordinate, whole)

@@ -28,6 +28,7 @@ from .._placement import Partial, Placement, Replicate
 from .._spec import DTensorSpec
 from ._async import Pending, adopt, redistribute_async, resolve
 from ._compile_comm import tracing
+from ._grad_reduce import note_accumulated
 from ._redistribute import redistribute_local
 
 __all__ = ["DTensor", "class_for"]
@@ -122,12 +123,13 @@ class DTensor(torch.Tensor):
 
     def requires_grad_(self, requires_grad: bool = True) -> DTensor:
         """As `torch.Tensor.requires_grad_`; a leaf that requires grad also gets its gradient in
-        its own layout (see `_grad_in_own_layout`). `nn.Parameter(dtensor)` comes through here."""
+        its own layout, reduced once per backward (see `_grad_reduce`). `nn.Parameter(dtensor)`
+        comes through here."""
         super().requires_grad_(requires_grad)
         if requires_grad and self.grad_fn is None:
             hooks = self._post_accumulate_grad_hooks
-            if not hooks or _grad_in_own_layout not in hooks.values():
-                self.register_post_accumulate_grad_hook(_grad_in_own_layout)  # type: ignore[no-untyped-call]
+            if not hooks or note_accumulated not in hooks.values():
+                self.register_post_accumulate_grad_hook(note_accumulated)  # type: ignore[no-untyped-call]
         return self
 
     def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
@@ -190,27 +192,6 @@ class DTensor(torch.Tensor):
         """The whole global tensor on every rank (differentiable)."""
         replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
-
-
-def _grad_in_own_layout(leaf: torch.Tensor) -> None:
-    """Reduce a leaf's accumulated gradient to the leaf's layout once, after backward adds it.
-
-    The gradient of a replicated weight used on a split batch arrives Partial (one term per
-    rank). torch's DTensor keeps it Partial, so every optimizer op that reads it reduces it
-    again (an AdamW step reads each gradient three or four times). Here it is reduced once,
-    when accumulated, into the leaf's own placements: `param.grad` has `param`'s layout,
-    and the optimizer step moves nothing. A documented difference from torch: with several
-    backward passes before a step, each pass reduces its own term.
-    """
-    grad = leaf.grad
-    if not isinstance(grad, DTensor) or not isinstance(leaf, DTensor):
-        return
-    have, want = grad._spec, leaf._spec
-    if not have.has_partial() or want.has_partial() or have.mesh != want.mesh:
-        return
-    target = have.with_placements(want.placements, want.shard_order)
-    with torch.no_grad():
-        leaf.grad = DTensor(redistribute_local(resolve(grad._local_tensor), have, target), target, requires_grad=False)
 
 
 def _grad_target(spec: DTensorSpec) -> DTensorSpec:

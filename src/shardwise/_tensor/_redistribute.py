@@ -9,11 +9,12 @@ import torch
 from .._mesh import DeviceMesh
 from .._redistribute import plan_redistribute
 from .._comm import Started
+from .._comm import start as comm_start
 from .._redistribute import RedistributePlan
-from .._redistribute._execute import execute_plan, start_plan
+from .._redistribute._execute import Call, execute_plan, single_collective
 from .._spec import DTensorSpec
 
-__all__ = ["redistribute_local", "start_redistribute"]
+__all__ = ["collective_for", "redistribute_local", "start_redistribute"]
 
 
 def _plan(src: DTensorSpec, dst: DTensorSpec) -> tuple[DeviceMesh, RedistributePlan]:
@@ -44,10 +45,17 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
     return execute_plan(local, plan, mesh._groups, coordinate, mesh._whole)
 
 
-def start_redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Optional[Started]:
-    """Issue a redistribute that is one collective without waiting for it (None otherwise)."""
+def collective_for(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Optional[Call]:
+    """The one `_comm` collective (name, arguments) that moves `local` from `src` to `dst`,
+    or None when the move is not exactly one collective."""
     mesh, plan = _plan(src, dst)
     coordinate = mesh._coordinate
     if coordinate is None:
         return None
-    return start_plan(local, plan, mesh._groups, coordinate, mesh._whole)
+    return single_collective(local, plan, mesh._groups, coordinate, mesh._whole)
+
+
+def start_redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Optional[Started]:
+    """Issue a redistribute that is one collective without waiting for it (None otherwise)."""
+    call = collective_for(local, src, dst)
+    return None if call is None else comm_start(call[0], *call[1])

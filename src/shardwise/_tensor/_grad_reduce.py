@@ -1,0 +1,92 @@
+"""Partial gradients of DTensor leaves, reduced into the leaves' layouts once per backward, in buckets.
+
+The gradient of a replicated weight used on a split batch arrives Partial (one term per
+rank). torch's DTensor keeps it Partial, so every optimizer op that reads it reduces it
+again (an AdamW step reads each gradient three or four times). Here a hook on every leaf
+that requires grad (registered by `DTensor.requires_grad_`, which `nn.Parameter` calls)
+notes the leaf when backward has accumulated its gradient, and at the end of the backward
+pass the noted gradients are reduced into their leaves' placements: `param.grad` then has
+`param`'s layout and the optimizer step moves nothing.
+
+Gradients whose reduction is one all_reduce over the same group, with the same reduce op
+and dtype, travel together: flattened into buckets of about `BUCKET_BYTES`, one
+all_reduce per bucket (the order is the order backward produced them, the same on every
+rank). Any other reduction (a reduce_scatter into a Shard leaf, several steps) runs on its
+own. With several backward passes before an optimizer step, each pass reduces its own term.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _comm
+
+__all__ = ["BUCKET_BYTES", "note_accumulated"]
+
+BUCKET_BYTES = 25 * 2**20
+
+_NOTED: list[Any] = []  # leaves (DTensors) whose gradient this backward pass still has to reduce
+
+
+def note_accumulated(leaf: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: queue `leaf` for the reduction at the end of this backward."""
+    from ._dtensor import DTensor
+
+    grad = leaf.grad
+    if not isinstance(grad, DTensor) or not isinstance(leaf, DTensor):
+        return
+    have, want = grad._spec, leaf._spec
+    if not have.has_partial() or want.has_partial() or have.mesh != want.mesh:
+        return
+    if not _NOTED:
+        torch.autograd.Variable._execution_engine.queue_callback(_reduce_noted)
+    _NOTED.append(leaf)
+
+
+def _reduce_noted() -> None:
+    from ._async import resolve
+    from ._dtensor import DTensor
+    from ._redistribute import collective_for, redistribute_local
+
+    leaves = list(_NOTED)
+    _NOTED.clear()
+    buckets: dict[tuple[Any, ...], tuple[Any, list[tuple[Any, Any, torch.Tensor]]]] = {}
+    with torch.no_grad():
+        for leaf in leaves:
+            grad = leaf.grad
+            if not isinstance(grad, DTensor) or not grad._spec.has_partial():
+                continue  # replaced or reduced since it was noted
+            have = grad._spec
+            target = have.with_placements(leaf._spec.placements, leaf._spec.shard_order)
+            local = resolve(grad._local_tensor)
+            call = collective_for(local, have, target)
+            if call is not None and call[0] == "all_reduce":
+                _, group, n, op = call[1]
+                buckets.setdefault((id(group), n, op, local.dtype), (group, []))[1].append((leaf, target, local))
+            else:
+                leaf.grad = DTensor(redistribute_local(local, have, target), target, requires_grad=False)
+        for (_, n, op, _), (group, items) in buckets.items():
+            for chunk in _chunks(items):
+                flat = torch.cat([local.reshape(-1) for _, _, local in chunk])
+                reduced = _comm.all_reduce(flat, group, n, op)
+                start = 0
+                for leaf, target, local in chunk:
+                    piece = reduced.narrow(0, start, local.numel()).view(local.shape)
+                    start += local.numel()
+                    leaf.grad = DTensor(piece, target, requires_grad=False)
+
+
+def _chunks(items: list[tuple[Any, Any, torch.Tensor]]) -> list[list[tuple[Any, Any, torch.Tensor]]]:
+    """Consecutive runs of about `BUCKET_BYTES` each."""
+    out: list[list[tuple[Any, Any, torch.Tensor]]] = [[]]
+    size = 0
+    for item in items:
+        nbytes = item[2].numel() * item[2].element_size()
+        if out[-1] and size + nbytes > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += nbytes
+    return out
