@@ -88,3 +88,38 @@ def test_partial_gradients_of_one_backward_are_reduced_together_in_one_all_reduc
     for p, r in zip(params + [sharded], refs):
         assert p.grad.placements == p.placements
         torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+
+
+@distributed(world_size=4)
+def test_no_sync_accumulates_partial_gradients_and_the_next_backward_reduces_the_sum_once() -> None:
+    from shardwise.parallel import no_sync
+
+    mesh = sw.init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)  # the same model on every rank
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    ref = copy.deepcopy(model)
+    for name, p in list(model.named_parameters()):
+        layer, attr = name.split(".")
+        setattr(model[int(layer)], attr, nn.Parameter(sw.distribute_tensor(p.detach(), mesh, [Replicate()])))
+    batches = [seeded(8, 6, seed=s) for s in range(3)]
+    split = [sw.distribute_tensor(x, mesh, [Shard(0)]) for x in batches]
+    with sw.comm_log() as log:
+        with no_sync(model):
+            for x in split[:2]:
+                model(x).pow(2).sum().backward()
+        assert [r.op for r in log] == []  # nothing reduced inside the block
+        model(split[2]).pow(2).sum().backward()
+    assert [r.op for r in log] == ["all_reduce"]  # the accumulated sum, one bucket
+    for x in batches:
+        ref(x).pow(2).sum().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad.placements == (Replicate(),), name
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5)  # sums reassociate
+
+
+def test_no_sync_on_a_module_without_dtensor_parameters_says_what_to_do() -> None:
+    from shardwise.parallel import no_sync
+
+    with pytest.raises(ValueError, match="no DTensor parameters and is not data parallel"):
+        with no_sync(nn.Linear(2, 2)):
+            pass

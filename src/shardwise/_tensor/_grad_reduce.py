@@ -12,22 +12,43 @@ Gradients whose reduction is one all_reduce over the same group, with the same r
 and dtype, travel together: flattened into buckets of about `BUCKET_BYTES`, one
 all_reduce per bucket (the order is the order backward produced them, the same on every
 rank). Any other reduction (a reduce_scatter into a Shard leaf, several steps) runs on its
-own. With several backward passes before an optimizer step, each pass reduces its own term.
+own. With several backward passes before an optimizer step, each pass reduces its own term,
+unless the passes run inside `shardwise.parallel.no_sync(model)` (`deferred` here): then
+the terms accumulate unreduced and the first backward after the block reduces their sum.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from .. import _comm
 
-__all__ = ["BUCKET_BYTES", "note_accumulated"]
+__all__ = ["BUCKET_BYTES", "deferred", "note_accumulated"]
 
 BUCKET_BYTES = 25 * 2**20
 
 _NOTED: list[Any] = []  # leaves (DTensors) whose gradient this backward pass still has to reduce
+_DEFERRED: dict[int, int] = {}  # id(leaf) -> how many `deferred` blocks hold it
+
+
+@contextlib.contextmanager
+def deferred(leaves: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Inside the block, backward leaves these leaves' Partial gradients Partial (terms keep
+    accumulating, locally); the first backward after it reduces the sum, once."""
+    ids = [id(t) for t in leaves]
+    for i in ids:
+        _DEFERRED[i] = _DEFERRED.get(i, 0) + 1
+    try:
+        yield
+    finally:
+        for i in ids:
+            _DEFERRED[i] -= 1
+            if not _DEFERRED[i]:
+                del _DEFERRED[i]
 
 
 def note_accumulated(leaf: torch.Tensor) -> None:
@@ -38,7 +59,7 @@ def note_accumulated(leaf: torch.Tensor) -> None:
     if not isinstance(grad, DTensor) or not isinstance(leaf, DTensor):
         return
     have, want = grad._spec, leaf._spec
-    if not have.has_partial() or want.has_partial() or have.mesh != want.mesh:
+    if not have.has_partial() or want.has_partial() or have.mesh != want.mesh or id(leaf) in _DEFERRED:
         return
     if not _NOTED:
         torch.autograd.Variable._execution_engine.queue_callback(_reduce_noted)

@@ -47,6 +47,7 @@ from .._mesh import DeviceMesh
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
 from .._tensor import DTensor
+from .._tensor._grad_reduce import deferred
 
 __all__ = ["data_parallel", "memory_report", "no_sync"]
 
@@ -369,19 +370,32 @@ def _state_of(module: nn.Module) -> _State:
 
 @contextlib.contextmanager
 def no_sync(module: nn.Module) -> Iterator[None]:
-    """Backward passes inside the block keep replicated gradients local; the next one outside averages the sum.
+    """Backward passes inside the block keep gradients unreduced; the next one outside reduces the sum.
 
-    For gradient accumulation over micro-batches with one reduction per step. Sharded
-    parameters' gradients are still reduce-scattered on every backward (keeping them
-    unsharded would cost what sharding saves).
+    For gradient accumulation over micro-batches with one reduction per step. Under
+    `data_parallel`, replicated gradients stay local and the next backward averages them;
+    sharded parameters' gradients are still reduce-scattered on every backward (keeping
+    them unsharded would cost what sharding saves). For any other DTensor parameter of
+    `module`, its Partial gradient (a replicated weight on a split batch) stays Partial
+    inside the block, instead of being reduced at the end of every backward.
     """
-    reducer = _state_of(module).reducer
-    before = reducer.sync
-    reducer.sync = False
+    state = getattr(module, _STATE_ATTR, None)
+    reducer = state.reducer if isinstance(state, _State) else None
+    params = [p for p in module.parameters() if isinstance(p, DTensor)]
+    if reducer is None and not params:
+        raise ValueError(
+            f"no_sync({type(module).__name__}): the module has no DTensor parameters and is not data parallel, "
+            f"so there is nothing to keep unreduced; shard it first (data_parallel, parallelize_module)"
+        )
+    before = reducer.sync if reducer is not None else True
+    if reducer is not None:
+        reducer.sync = False
     try:
-        yield
+        with deferred(params):
+            yield
     finally:
-        reducer.sync = before
+        if reducer is not None:
+            reducer.sync = before
 
 
 def memory_report(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
