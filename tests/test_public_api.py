@@ -85,6 +85,15 @@ def test_pipeline_surface_is_pinned() -> None:
     assert shardwise.pipeline.GPipe is shardwise.pipeline.Pipe  # torchgpipe's name
 
 
+CHECKPOINT = ["load", "save"]
+
+
+def test_checkpoint_surface_is_pinned() -> None:
+    import shardwise.checkpoint
+
+    assert list(shardwise.checkpoint.__all__) == CHECKPOINT  # torch.distributed.checkpoint's names
+
+
 def test_spmd_surface_is_pinned() -> None:
     import shardwise.spmd
 

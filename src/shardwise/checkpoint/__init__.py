@@ -1,0 +1,29 @@
+"""Sharded checkpoints that load onto another mesh, layout or number of ranks.
+
+Same calls as `torch.distributed.checkpoint`: `save(state_dict, checkpoint_id=dir)` on
+every rank writes each element of each global tensor once (every rank its own pieces, in
+its own file); `load(state_dict, checkpoint_id=dir)` fills a state dict in place, every
+DTensor in its own mesh and placements, by reading from the files the saved pieces that
+overlap what the rank holds. A checkpoint is a directory on a filesystem every rank shares;
+it is complete once `metadata.json` is in it, which save writes last.
+
+Without a process group it is one process saving and loading whole tensors:
+
+>>> import tempfile, torch
+>>> from shardwise import checkpoint
+>>> path = tempfile.mkdtemp()
+>>> checkpoint.save({"w": torch.arange(6.0).reshape(2, 3), "step": 7}, checkpoint_id=path)
+>>> target = {"w": torch.zeros(2, 3), "step": 0}
+>>> checkpoint.load(target, checkpoint_id=path)
+>>> target["w"][1].tolist(), target["step"]
+([3.0, 4.0, 5.0], 7)
+>>> checkpoint.load({"w": torch.zeros(3, 2), "step": 0}, checkpoint_id=path)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+ValueError: cannot load the checkpoint '...' into this state dict; nothing was loaded:
+  - 'w': the checkpoint holds shape (2, 3), the state dict (3, 2): global shapes must match (layouts may differ)
+"""
+
+from ._load import load
+from ._save import save
+
+__all__ = ["load", "save"]

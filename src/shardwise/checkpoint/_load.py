@@ -1,0 +1,171 @@
+"""`load`: each rank reads, from the files, the saved pieces that overlap what it holds.
+
+A saved tensor is a set of boxes of global indices that tile it; a target DTensor's local
+piece is one box too (`box_of` its layout and the rank's coordinate). So each rank copies
+the overlap of every saved box with its own into its local tensor, reading only the files
+that have such a box, and maps them (`mmap=True`) rather than reading them whole. No rank
+talks to another: the ranks that saved and the ranks that load, their number, their meshes
+and their layouts are independent, and one process with plain tensors can load a
+checkpoint that 64 ranks saved.
+
+Everything is checked before anything is copied, so a load that fails leaves the state
+dict as it was, and every mismatch is reported at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from pathlib import Path as FilePath
+from typing import Any, Optional, Union
+
+import torch
+
+from .._placement import Partial
+from .._redistribute._exchange import Box, box_of
+from .._tensor import DTensor
+from ._files import checkpoint_dir, read_data
+from ._metadata import Entry, Piece, read_metadata
+from ._paths import Path, is_stateful, leaves, put_back, show
+
+__all__ = ["load"]
+
+
+def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.PathLike[str]],
+         strict: bool = True) -> None:
+    """Fill `state_dict` in place from the checkpoint in directory `checkpoint_id`.
+
+    DTensors keep their mesh and placements and receive their part of the saved global
+    values, whatever layout, mesh or number of ranks saved them; plain tensors are copied
+    into whole; other values are replaced by the saved ones (containers are filled in place,
+    tuples rebuilt). A top-level value with `state_dict()` and `load_state_dict()` (a
+    module, an optimizer) is filled through them: its `state_dict()` is filled and handed
+    back to its `load_state_dict()`.
+
+    Each rank reads the data files directly and talks to no other rank, so the checkpoint
+    must be on a filesystem every loading rank can read (as `torch.distributed.checkpoint`'s
+    FileSystemReader assumes), and a rank may load while others do not.
+
+    Global shapes and dtypes must match the saved ones. With `strict=True` (the default) the
+    paths must match too; `strict=False` loads the paths both have and leaves the others
+    (unlike `torch.distributed.checkpoint.load`, which ignores saved keys the state dict
+    lacks, strict mode reports them: a renamed parameter is then an error, not a silent
+    skip). All mismatches are reported in one ValueError, before anything is changed.
+    """
+    directory = checkpoint_dir(checkpoint_id)
+    table = read_metadata(directory)
+    stateful = {key for key, value in state_dict.items() if is_stateful(value)}
+    tree = {key: state_dict[key].state_dict() if key in stateful else value for key, value in state_dict.items()}
+    targets = dict(leaves(tree))
+    problems = _mismatches(targets, table, strict)
+    if problems:
+        raise ValueError(f"cannot load the checkpoint {str(directory)!r} into this state dict; nothing was loaded:\n"
+                         + "\n".join(problems))
+    reader = _Reader(directory)
+    with torch.no_grad():
+        put_back(tree, lambda path, leaf: _loaded(leaf, table.get(path), reader))
+    for key, value in tree.items():
+        if key in stateful:
+            state_dict[key].load_state_dict(value)
+        else:
+            state_dict[key] = value
+
+
+def _listed(paths: list[Path], limit: int = 20) -> str:
+    shown = ", ".join(f"'{show(p)}'" for p in paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def _mismatches(targets: dict[Path, Any], table: dict[Path, Entry], strict: bool) -> list[str]:
+    """Every difference between the target leaves and the saved entries, one bullet each."""
+    problems = []
+    if strict:
+        missing = [p for p in targets if p not in table]
+        unexpected = [p for p in table if p not in targets]
+        if missing:
+            problems.append(f"  - missing from the checkpoint: {_listed(missing)}: load a checkpoint saved from the "
+                            f"same model and optimizer configuration, or pass strict=False to leave these as they are")
+        if unexpected:
+            problems.append(f"  - in the checkpoint but not in the state dict: {_listed(unexpected)}: build the state "
+                            f"dict with these paths (an optimizer has no state until its first step: step it once "
+                            f"first), or pass strict=False to skip them")
+    for path, leaf in targets.items():
+        entry = table.get(path)
+        if entry is None:
+            continue
+        if isinstance(leaf, torch.Tensor) != (entry.kind == "tensor"):
+            saved = "a tensor" if entry.kind == "tensor" else "a plain value"
+            held = "a tensor" if isinstance(leaf, torch.Tensor) else f"a plain value ({type(leaf).__name__})"
+            problems.append(f"  - '{show(path)}': the checkpoint holds {saved}, the state dict {held}: "
+                            f"give the state dict the saved kind of value")
+        elif isinstance(leaf, torch.Tensor):
+            if tuple(leaf.shape) != entry.shape:
+                problems.append(f"  - '{show(path)}': the checkpoint holds shape {entry.shape}, the state dict "
+                                f"{tuple(leaf.shape)}: global shapes must match (layouts may differ)")
+            if str(leaf.dtype).removeprefix("torch.") != entry.dtype:
+                problems.append(f"  - '{show(path)}': the checkpoint holds torch.{entry.dtype}, the state dict "
+                                f"{leaf.dtype}: make the target torch.{entry.dtype}, load, then convert")
+    return problems
+
+
+class _Reader:
+    """Data files, each read (mapped) at most once per load, and only when a piece is needed."""
+
+    def __init__(self, directory: FilePath) -> None:
+        self.directory = directory
+        self.files: dict[str, list[Any]] = {}
+
+    def value(self, piece: Piece) -> Any:
+        values = self.files.get(piece.file)
+        if values is None:
+            values = self.files[piece.file] = read_data(self.directory / piece.file)[1]
+        return values[piece.index]
+
+
+def _overlap(a: Box, b: Box) -> Optional[Box]:
+    out = []
+    for (sa, la), (sb, lb) in zip(a, b):
+        start, stop = max(sa, sb), min(sa + la, sb + lb)
+        if stop <= start:
+            return None
+        out.append((start, stop - start))
+    return tuple(out)
+
+
+def _region(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
+    """The part of `t` (which holds the global box `origin`) that holds the global box `box`."""
+    for d, ((start, length), (o, _)) in enumerate(zip(box, origin)):
+        t = t.narrow(d, start - o, length)
+    return t
+
+
+def _copy_into(target: torch.Tensor, box: Box, entry: Entry, reader: _Reader) -> None:
+    """Copy into `target` (holding the global `box`) every overlapping saved piece."""
+    for piece in entry.pieces:
+        common = _overlap(piece.box, box)
+        if common is not None:
+            _region(target, common, box).copy_(_region(reader.value(piece), common, piece.box))
+
+
+def _loaded(leaf: Any, entry: Optional[Entry], reader: _Reader) -> Any:
+    """The leaf after loading: the same tensor, filled, or the saved plain value."""
+    if entry is None:
+        return leaf
+    if isinstance(leaf, DTensor):
+        mesh = leaf.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            return leaf
+        local = leaf.to_local()
+        spec = leaf._spec
+        if any(isinstance(p, Partial) and p.reduce_op == "sum" and c for p, c in zip(spec.placements, coordinate)):
+            local.zero_()  # a sum's other terms: the value lives on coordinate 0 of each Partial(sum) mesh dim
+            return leaf
+        found = spec.split_orders()
+        orders = tuple(found.get(d, ()) for d in range(spec.ndim))
+        _copy_into(local, box_of(spec.shape, mesh.shape, orders, coordinate), entry, reader)
+        return leaf
+    if isinstance(leaf, torch.Tensor):
+        _copy_into(leaf, tuple((0, s) for s in leaf.shape), entry, reader)
+        return leaf
+    return reader.value(entry.pieces[0])

@@ -1,0 +1,298 @@
+"""`save`: every rank writes the pieces it is responsible for; rank 0 writes the table last.
+
+Who writes what, so that every element of every global tensor is written exactly once:
+
+| leaf of the state dict | written by | as |
+|---|---|---|
+| DTensor of Shard / Replicate | each rank whose coordinate is 0 on every mesh dim that does not split it | its local piece, with the piece's box |
+| DTensor on a mesh smaller than the world | as above, and of the meshes holding the same piece, the lowest rank | the same |
+| DTensor with Partial mesh dims | reduced first (as `redistribute` to Replicate), then as above | the pieces of the global value |
+| plain tensor | rank 0 | the whole tensor |
+| any other value | rank 0 | the value, if `torch.load(weights_only=True)` can read it back |
+
+The second row is for a tensor held on several meshes, each a replica of the others (a
+model parallelised on `mesh["tp"]` of a (dp, tp) mesh): no rank can tell from its own mesh
+that another mesh holds the same piece, so the ranks exchange a 63-bit fingerprint of
+(path, box) for each such piece (two all_gathers of ints, none when every mesh spans the
+world) and the lowest rank holding a piece writes it.
+
+The ranks agree four times (an all_gather of a flag per rank, through `_comm`): after
+checking the state dict, after rank 0 removes an older table from the directory, after
+writing the data files, and after rank 0 writes the new table. A failure on any rank stops
+every rank at the next agreement with an error naming the ranks that failed, and the table
+is never written, so a half-written checkpoint is never taken for a complete one. A state
+dict refused before anything is written leaves an older checkpoint in the directory intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path as FilePath
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .._comm import all_gather_ints
+from .._placement import Replicate
+from .._redistribute._exchange import Box, box_of
+from .._tensor import DTensor
+from ._files import checkpoint_dir, read_data, write_atomically
+from ._metadata import METADATA, Entry, Piece, data_file, dtype_name, write_metadata
+from ._paths import Path, is_stateful, leaves, show
+
+__all__ = ["save"]
+
+
+def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike[str]]) -> None:
+    """Save `state_dict` into the directory `checkpoint_id`, each rank writing only its own pieces.
+
+    Call it on every rank of the world with the same directory, on a filesystem every rank
+    shares (each rank writes its own data file there; rank 0 reads them all to write the
+    table). The state dict may nest dicts, lists and tuples (an optimizer's `state_dict()`);
+    a top-level value with `state_dict()` and `load_state_dict()` (a module, an optimizer)
+    is saved as its `state_dict()`. Leaves are DTensors, plain tensors, and plain values
+    (numbers, strings, None, ...); see the table in this module for who writes what.
+
+    A DTensor with Partial placements is reduced before saving (one all_reduce over those
+    mesh dims, as `redistribute` to Replicate would do), so the checkpoint holds its global
+    value; the DTensor in the state dict is not changed. The checkpoint records no mesh:
+    `load` puts the global values onto whatever meshes and layouts the target has.
+
+    When `save` returns on any rank, the checkpoint is complete. If it fails on any rank,
+    every rank raises (the failed rank its own error, the others a RuntimeError naming it)
+    and the directory holds no `metadata.json`, so `load` refuses it.
+    """
+    directory = checkpoint_dir(checkpoint_id)
+    rank, world = _rank_and_world()
+    error: Optional[Exception] = None
+    items: list[tuple[Path, Any]] = []
+    claims: list[int] = []
+    try:
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"checkpoint_id {str(directory)!r} is a file: pass a directory (it is created if missing)")
+        tree = {key: value.state_dict() if is_stateful(value) else value for key, value in state_dict.items()}
+        items = list(leaves(tree))
+        _check_values(items)
+        claims = [_fingerprint(path, box) for path, leaf in items
+                  if isinstance(leaf, DTensor) and leaf.device_mesh.size() < world and (box := _my_box(leaf))]
+        directory.mkdir(parents=True, exist_ok=True)
+    except Exception as exc:
+        error = exc
+    _agree("checking the state dict", error, directory, world)
+
+    if rank == 0:
+        try:
+            (directory / METADATA).unlink(missing_ok=True)  # from here on, the directory is not a checkpoint
+        except Exception as exc:
+            error = exc
+    counts = _agree("removing the older metadata.json", error, directory, world, len(claims))
+    taken = _claimed_below(rank, world, claims, counts)
+
+    with torch.no_grad():
+        items = [(path, _reduced(leaf) if isinstance(leaf, DTensor) else leaf) for path, leaf in items]
+    try:
+        name = data_file(rank)
+        entries, values = _pieces(items, rank, name, taken)
+        payload = {"entries": [e.to_json() for e in entries], "values": values}
+        write_atomically(directory / name, lambda f: torch.save(payload, f))
+    except Exception as exc:
+        error = exc
+    _agree("writing the data files", error, directory, world)
+
+    if rank == 0:
+        try:
+            write_metadata(directory, _merge(directory, world), world)
+        except Exception as exc:
+            error = exc
+    _agree("writing metadata.json", error, directory, world)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree(step: str, error: Optional[Exception], directory: FilePath, world: int, count: int = 0) -> list[int]:
+    """Raise on every rank if `step` failed on any rank (this rank's `error`, or a RuntimeError);
+    else every rank's `count`, by rank."""
+    rows = [[0 if error is None else 1, count]]
+    if world > 1:
+        try:
+            rows = all_gather_ints(rows[0], dist.group.WORLD, world)
+        except Exception as exc:
+            raise RuntimeError(
+                f"save to {str(directory)!r}: the ranks did not all reach the end of {step} ({exc}); every rank "
+                f"of the world must call save, with the same checkpoint_id"
+            ) from (error or exc)
+    failed = [r for r, (flag, _) in enumerate(rows) if flag]
+    if not failed:
+        return [n for _, n in rows]
+    ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
+    why = (f"save to {str(directory)!r} failed on {ranks} while {step}: no metadata.json was written, so the "
+           f"directory is not a checkpoint and load refuses it")
+    if error is not None:
+        error.add_note(why)
+        raise error
+    raise RuntimeError(f"{why}; the error of {ranks} says why")
+
+
+def _fingerprint(path: Path, box: Box) -> int:
+    """A 63-bit digest of (path, box), the same in every process (unlike `hash` of a str)."""
+    digest = hashlib.blake2b(json.dumps([list(path), box]).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def _claimed_below(rank: int, world: int, claims: list[int], counts: list[int]) -> set[int]:
+    """The fingerprints of this rank's `claims` that a lower rank claims too (it writes them)."""
+    width = max(counts, default=0)
+    if world == 1 or width == 0:
+        return set()
+    rows = all_gather_ints(claims + [-1] * (width - len(claims)), dist.group.WORLD, world)
+    return {c for row in rows[:rank] for c in row if c >= 0} & set(claims)
+
+
+def _round_trip(value: Any) -> None:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=True)
+
+
+def _check_values(items: list[tuple[Path, Any]]) -> None:
+    """Every non-tensor leaf must load back under `weights_only=True` (checked on every rank)."""
+    plain = [(path, leaf) for path, leaf in items if not isinstance(leaf, torch.Tensor)]
+    try:
+        _round_trip([leaf for _, leaf in plain])
+        return
+    except Exception:
+        pass
+    bad = []
+    for path, leaf in plain:
+        try:
+            _round_trip(leaf)
+        except Exception as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            bad.append(f"  - '{show(path)}': {type(leaf).__name__} {repr(leaf)[:80]} ({reason})")
+    raise TypeError(
+        "these state dict values cannot be saved so that load can read them back with "
+        "torch.load(weights_only=True):\n" + "\n".join(bad) + "\nA checkpoint holds tensors and plain values "
+        "(None, bool, int, float, str, torch.dtype, and dicts, lists and tuples of them): convert these, or "
+        "leave them out of the state dict"
+    )
+
+
+def _reduced(leaf: DTensor) -> DTensor:
+    """`leaf` with its Partial mesh dims reduced (Replicate), its Shards as they are."""
+    if not leaf._spec.has_partial() or leaf.device_mesh.get_coordinate() is None:
+        return leaf
+    placements = [Replicate() if p.is_partial() else p for p in leaf.placements]
+    return leaf.redistribute(placements=placements, shard_order=leaf.shard_order)
+
+
+def _standalone(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU owning exactly its elements: torch.save writes a view's whole storage."""
+    t = t.detach().cpu()
+    if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)
+
+
+def _volume(box: Box) -> int:
+    n = 1
+    for _, length in box:
+        n *= length
+    return n
+
+
+def _my_box(leaf: DTensor) -> Optional[Box]:
+    """The box of `leaf` this rank writes, if any: its piece when nonempty and its coordinate
+    is 0 on every mesh dim that does not split the tensor (one replica; a Partial mesh dim
+    counts as replicating, since it is reduced first)."""
+    spec, mesh = leaf._spec, leaf.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    found = spec.split_orders()
+    orders = tuple(found.get(d, ()) for d in range(spec.ndim))
+    splitting = {m for ms in orders for m in ms}
+    if any(c for m, c in enumerate(coordinate) if m not in splitting):
+        return None
+    box = box_of(spec.shape, mesh.shape, orders, coordinate)
+    return box if _volume(box) else None
+
+
+def _pieces(items: list[tuple[Path, Any]], rank: int, name: str, taken: set[int]) -> tuple[list[Entry], list[Any]]:
+    """What this rank knows of each leaf (entries) and what it writes (values, by index);
+    pieces whose fingerprint is in `taken` are written by a lower rank."""
+    entries: list[Entry] = []
+    values: list[Any] = []
+
+    def piece(value: Any, box: Box) -> tuple[Piece, ...]:
+        values.append(value)
+        return (Piece(name, len(values) - 1, box),)
+
+    for path, leaf in items:
+        if isinstance(leaf, DTensor):
+            spec = leaf._spec
+            box = _my_box(leaf)
+            pieces: tuple[Piece, ...] = ()
+            if box is not None and not (taken and _fingerprint(path, box) in taken):
+                pieces = piece(_standalone(leaf.to_local()), box)
+            layout = f"{spec.layout_str()} on mesh {leaf.device_mesh.shape}"
+            entries.append(Entry(path, "tensor", tuple(spec.shape), dtype_name(spec.dtype), layout, pieces))
+        elif isinstance(leaf, torch.Tensor):
+            whole = tuple((0, s) for s in leaf.shape)
+            pieces = piece(_standalone(leaf), whole) if rank == 0 and leaf.numel() else ()
+            entries.append(Entry(path, "tensor", tuple(leaf.shape), dtype_name(leaf.dtype), None, pieces))
+        else:
+            entries.append(Entry(path, "object", None, None, None, piece(leaf, ()) if rank == 0 else ()))
+    return entries, values
+
+
+def _describe(entry: Entry) -> str:
+    if entry.kind == "object":
+        return "a plain value"
+    kind = "a plain tensor" if entry.layout is None else f"a DTensor {entry.layout}"
+    return f"{kind} of shape {entry.shape} and dtype {entry.dtype}"
+
+
+def _merge(directory: FilePath, world: int) -> list[Entry]:
+    """The table: every rank's entries, the pieces of one path together, checked to tile each
+    tensor exactly once."""
+    merged: dict[Path, Entry] = {}
+    holders: dict[Path, list[int]] = {}
+    problems: list[str] = []
+    disagreed: set[Path] = set()
+    for r in range(world):
+        for entry in map(Entry.from_json, read_data(directory / data_file(r))[0]):
+            first = merged.get(entry.path)
+            holders.setdefault(entry.path, []).append(r)
+            if first is None:
+                merged[entry.path] = entry
+            elif (first.kind, first.shape, first.dtype) != (entry.kind, entry.shape, entry.dtype):
+                disagreed.add(entry.path)
+                problems.append(f"'{show(entry.path)}' is {_describe(first)} on rank {holders[entry.path][0]} "
+                                f"but {_describe(entry)} on rank {r}")
+            else:
+                merged[entry.path] = replace(first, pieces=first.pieces + entry.pieces)
+    for path, entry in merged.items():
+        ranks = holders[path]
+        if 0 not in ranks and (entry.kind == "object" or entry.layout is None):
+            problems.append(f"'{show(path)}' is {_describe(entry)} on ranks {ranks} but rank 0 has no such key, and "
+                            f"rank 0 writes plain tensors and values: give every rank the same keys, or make it a DTensor")
+        elif entry.kind == "tensor" and path not in disagreed:
+            covered = sum(p.volume() for p in entry.pieces)
+            if covered != entry.numel():
+                problems.append(f"'{show(path)}': the ranks' pieces hold {covered} of its {entry.numel()} elements "
+                                f"(ranks {ranks} disagree on its layout): give it one layout on every rank")
+    if problems:
+        raise ValueError("the ranks' state dicts do not describe one set of global tensors:\n  - "
+                         + "\n  - ".join(problems))
+    return list(merged.values())
