@@ -151,9 +151,11 @@ MESHES = {"(4,)": (4,), "tp of (2, 2)": (2, 2)}
 @distributed(world_size=4)
 def test_colwise_then_rowwise_matches_single_device(mesh_name: str) -> None:
     tp = _tp_mesh(MESHES[mesh_name])
-    # A local (plain) output is taken back as an even piece (global = local x ranks), so uneven
-    # hidden sizes (7: 2,2,2,1 on 4 ranks, 4,3 on 2) keep DTensors between the two layers.
-    for conv1d, hidden, local in ((False, 8, True), (False, 7, False), (True, 8, True), (True, 7, False)):
+    # A local (plain) output goes into the row-split layer, which takes its last dim as the
+    # weight's input features, so uneven hidden sizes (7: 2,2,2,1 on 4 ranks, 4,3 on 2) work
+    # with local outputs too (torch reads the uneven piece as even and fails in the matmul).
+    cases = [(conv1d, hidden, local) for conv1d in (False, True) for hidden in (8, 7) for local in (True, False)]
+    for conv1d, hidden, local in cases:
         what = f"{'Conv1D' if conv1d else 'Linear'} MLP, hidden {hidden}, local outputs {local}, on {mesh_name}"
         torch.manual_seed(0)
         ref = Mlp(conv1d, hidden)

@@ -15,8 +15,10 @@ output forward): here both fall out of the DTensor layouts; the hooks only decla
 Input hooks wrap plain tensors as DTensors of the declared `input_layouts` (each rank's
 piece, no check) and redistribute to what the module needs; output hooks redistribute to
 `output_layouts` and return local tensors when `use_local_output`. A plain input wrapped
-as `Shard(d)` is taken as an even piece (global size = local size x ranks), as in torch:
-where a split is uneven, keep DTensors between layers (`use_local_output=False`).
+as `Shard(d)` is taken as an even piece (global size = local size x ranks), as in torch,
+except where the module says its size: a row-split Linear / Conv1D takes a plain input's
+last dim as its weight's input features, so a column-split layer's local output feeds it
+even when the hidden size does not divide the mesh (torch reads an uneven piece as even).
 
 `Conv1D` is Hugging Face GPT-2's linear layer with a transposed weight; it is recognised by
 its shape (a 2-D `weight` whose second dim is the module's `nf`), not by importing it.
@@ -38,6 +40,7 @@ from typing import Any, ClassVar, Optional, Union, cast
 import torch
 from torch import nn
 
+from .._layout import contiguous_strides
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Placement, Replicate, Shard
 from .._tensor import DTensor
@@ -88,12 +91,27 @@ def _layouts(value: Any, what: str) -> Optional[Layouts]:
     return tuple(items)
 
 
-def _as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, where: str) -> DTensor:
+def _as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, where: str, features: Optional[int] = None) -> DTensor:
+    """`x` as a DTensor; a plain `x` is this rank's piece, taken as even unless `features`
+    gives the global size of its last dim (what a row-split Linear's weight says it takes)."""
     if isinstance(x, DTensor):
         return x
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{where} expected a tensor to lay out as {layout}, got {type(x).__name__}")
+    if features is not None and x.ndim and isinstance(layout, Shard) and layout.dim in (-1, x.ndim - 1):
+        shape = (*x.shape[:-1], features)
+        return DTensor.from_local(x, mesh, (layout,), run_check=False, shape=shape, stride=contiguous_strides(shape))
     return DTensor.from_local(x, mesh, (layout,), run_check=False)
+
+
+def _input_features(mod: nn.Module) -> Optional[int]:
+    """Global input features of a Linear (weight (out, in)) or HF Conv1D (weight (in, out), `nf`)."""
+    weight = getattr(mod, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return None
+    if isinstance(mod, nn.Linear):
+        return int(weight.shape[1])
+    return int(weight.shape[0]) if hasattr(mod, "nf") else None
 
 
 def _moved(x: DTensor, layout: Optional[Placement]) -> DTensor:
@@ -180,7 +198,7 @@ def _prepare_first_input(layout: Placement, desired: Placement, style: str, mod:
                          mesh: DeviceMesh) -> tuple[Any, ...]:
     if not inputs:
         raise ValueError(f"{style} on {type(mod).__name__} needs a positional input tensor, got none")
-    x = _moved(_as_dtensor(inputs[0], mesh, layout, f"{style} on {type(mod).__name__}"), desired)
+    x = _moved(_as_dtensor(inputs[0], mesh, layout, f"{style} on {type(mod).__name__}", _input_features(mod)), desired)
     return (x, *inputs[1:])
 
 
