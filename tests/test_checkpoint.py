@@ -303,11 +303,9 @@ def _resume(path: str, saved: dict[str, Any], reference: list[dict[str, torch.Te
     mesh = sw.init_device_mesh("cpu", (2, 2))
     model = distribute_params(_mlp(seed=1), mesh, lambda name, p: PLAN_2X2[name])
     opt = _adamw(model.parameters())
-    for p in model.parameters():  # an optimizer has no state before its first step: make it, moving nothing
-        p.grad = torch.zeros_like(p)
-    opt.param_groups[0]["lr"] = 0.0
-    opt.step()
+    assert not opt.state  # never stepped: load gives it its state (a step at lr 0), then the saved values
     checkpoint.load({"model": model, "optim": opt}, checkpoint_id=path)
+    assert all(p.grad is None for p in model.parameters())  # the zero gradients of that step are gone
 
     assert opt.param_groups[0]["lr"] == 0.05  # plain values came back
     for name, p in model.named_parameters():

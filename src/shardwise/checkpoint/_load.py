@@ -40,7 +40,8 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
     into whole; other values are replaced by the saved ones (containers are filled in place,
     tuples rebuilt). A top-level value with `state_dict()` and `load_state_dict()` (a
     module, an optimizer) is filled through them: its `state_dict()` is filled and handed
-    back to its `load_state_dict()`.
+    back to its `load_state_dict()`. A top-level optimizer that has never stepped gets its
+    state first (one step at learning rate 0 with zero gradients, parameters unchanged).
 
     Each rank reads the data files directly and talks to no other rank, so the checkpoint
     must be on a filesystem every loading rank can read (as `torch.distributed.checkpoint`'s
@@ -54,6 +55,9 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
     """
     directory = checkpoint_dir(checkpoint_id)
     table = read_metadata(directory)
+    for value in state_dict.values():
+        if isinstance(value, torch.optim.Optimizer):
+            _make_state(value)
     stateful = {key for key, value in state_dict.items() if is_stateful(value)}
     tree = {key: state_dict[key].state_dict() if key in stateful else value for key, value in state_dict.items()}
     targets = dict(leaves(tree))
@@ -69,6 +73,33 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
             state_dict[key].load_state_dict(value)
         else:
             state_dict[key] = value
+
+
+def _make_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has never stepped its state, so the saved state has a place to go.
+
+    One step with zero gradients at learning rate 0 creates every state tensor in each
+    parameter's layout without moving a parameter (decoupled weight decay scales by lr too);
+    the gradients and learning rates are put back as they were, and `load` then overwrites
+    the state with the saved values.
+    """
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        with torch.no_grad():
+            optimizer.step()
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
 
 
 def _listed(paths: list[Path], limit: int = 20) -> str:
@@ -87,8 +118,7 @@ def _mismatches(targets: dict[Path, Any], table: dict[Path, Entry], strict: bool
                             f"same model and optimizer configuration, or pass strict=False to leave these as they are")
         if unexpected:
             problems.append(f"  - in the checkpoint but not in the state dict: {_listed(unexpected)}: build the state "
-                            f"dict with these paths (an optimizer has no state until its first step: step it once "
-                            f"first), or pass strict=False to skip them")
+                            f"dict with these paths, or pass strict=False to skip them")
     for path, leaf in targets.items():
         entry = table.get(path)
         if entry is None:
