@@ -32,7 +32,7 @@ from typing import Optional
 
 from .._layout import chunk_range
 
-__all__ = ["Box", "Routes", "box_of", "exchange_bytes", "exchange_routes", "MAX_EXCHANGE_RANKS"]
+__all__ = ["Box", "Routes", "box_of", "exchange_bytes", "exchange_routes", "overlap", "MAX_EXCHANGE_RANKS"]
 
 Box = tuple[tuple[int, int], ...]  # per tensor dim: (start, length) in global indices
 Orders = tuple[tuple[int, ...], ...]  # per tensor dim: splitting mesh dims, outermost first
@@ -53,7 +53,8 @@ def box_of(global_shape: Sequence[int], mesh_shape: Sequence[int], orders: Order
     return tuple(out)
 
 
-def _overlap(a: Box, b: Box) -> Optional[Box]:
+def overlap(a: Box, b: Box) -> Optional[Box]:
+    """The common part of two boxes, or None when they do not meet."""
     out = []
     for (sa, la), (sb, lb) in zip(a, b):
         start, stop = max(sa, sb), min(sa + la, sb + lb)
@@ -82,7 +83,7 @@ def exchange_bytes(
     for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
         target = box_of(global_shape, mesh_shape, dst, coordinate)
         have = box_of(global_shape, mesh_shape, src, coordinate)
-        worst = max(worst, _volume(target) - _volume(_overlap(target, have)))
+        worst = max(worst, _volume(target) - _volume(overlap(target, have)))
     return float(worst * itemsize)
 
 
@@ -124,12 +125,12 @@ def exchange_routes(
             continue
         if same_replica(peer, coordinate):
             # the peer takes from me what it needs of my class's box, and I from it what I need of its
-            give = _overlap(mine_src, box_of(global_shape, mesh_shape, dst, peer))
+            give = overlap(mine_src, box_of(global_shape, mesh_shape, dst, peer))
             if give is not None:
                 sends.append((_flat(peer, mesh_shape), _relative(give, mine_src)))
-            take = _overlap(box_of(global_shape, mesh_shape, src, peer), mine_dst)
+            take = overlap(box_of(global_shape, mesh_shape, src, peer), mine_dst)
             if take is not None:
                 recvs.append((_flat(peer, mesh_shape), _relative(take, mine_dst)))
-    kept = _overlap(mine_src, mine_dst)
+    kept = overlap(mine_src, mine_dst)
     keep = None if kept is None else (_relative(kept, mine_src), _relative(kept, mine_dst))
     return Routes(tuple(length for _, length in mine_dst), tuple(sends), tuple(recvs), keep)

@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .._placement import Partial
-from .._redistribute._exchange import Box, box_of
+from .._redistribute._exchange import Box, box_of, overlap
 from .._tensor import DTensor
 from ._files import checkpoint_dir, read_data
 from ._metadata import Entry, Piece, read_metadata
@@ -152,16 +152,6 @@ class _Reader:
         return values[piece.index]
 
 
-def _overlap(a: Box, b: Box) -> Optional[Box]:
-    out = []
-    for (sa, la), (sb, lb) in zip(a, b):
-        start, stop = max(sa, sb), min(sa + la, sb + lb)
-        if stop <= start:
-            return None
-        out.append((start, stop - start))
-    return tuple(out)
-
-
 def _region(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
     """The part of `t` (which holds the global box `origin`) that holds the global box `box`."""
     for d, ((start, length), (o, _)) in enumerate(zip(box, origin)):
@@ -172,7 +162,7 @@ def _region(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
 def _copy_into(target: torch.Tensor, box: Box, entry: Entry, reader: _Reader) -> None:
     """Copy into `target` (holding the global `box`) every overlapping saved piece."""
     for piece in entry.pieces:
-        common = _overlap(piece.box, box)
+        common = overlap(piece.box, box)
         if common is not None:
             _region(target, common, box).copy_(_region(reader.value(piece), common, piece.box))
 
