@@ -6,6 +6,7 @@ The same file runs on many machines under torchrun (`torchrun --nnodes=2 --nproc
 import os
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
@@ -28,6 +29,10 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"rank 0 of {mesh.size()}: holds {tuple(model[0].weight.to_local().shape)} of "
               f"{tuple(model[0].weight.shape)}; output and gradients equal one process")
+    # leave together and shut the group down (torch's gloo can abort at exit otherwise;
+    # shardwise also does this at exit for scripts that do not)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -60,10 +60,22 @@ def test_demo_gpt_trains_like_one_process(mesh: tuple[int, int], shard: bool, pl
             assert memory["total"] <= 0.3 * memory["unsharded_total"], memory
 
 
+# torch 2.13's gloo can abort a process at interpreter exit after the script has finished
+# ("terminate called without an active exception", exit -6): plain torch under torchrun does
+# it in about half the runs of a script that does not destroy its group. Leaving with a
+# barrier and destroy_process_group (the example and the demo do; init_device_mesh does it
+# at exit) makes it rare but not impossible here (~1 run in 15), so a run that printed its
+# result and then hit exactly that abort is run once more; any other failure fails the test.
+_EXIT_ABORT = "terminate called without an active exception"
+
+
 def _run(*args: str, timeout: float = 240) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "shardwise.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    for attempt in range(2):
+        done = subprocess.run([sys.executable, "-m", "shardwise.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        if done.returncode == 0 or attempt or _EXIT_ABORT not in done.stderr + done.stdout:
+            break
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -79,3 +91,21 @@ def test_shardwise_demo_command_trains_compares_and_draws(tmp_path: Path) -> Non
     assert "parity: max |sharded - single process|" in out and ": equal" in out, out
     assert "memory per rank" in out and "blocks.*.attn.q.weight" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_rank_failing_in_a_launched_script_ends_the_run_at_once(tmp_path: Path) -> None:
+    # init_device_mesh registers a barrier and destroy_process_group at exit (see _EXIT_ABORT);
+    # a rank failing with an uncaught exception must skip that barrier, so its peer, blocked in
+    # a collective, fails at once instead of both waiting for the collective timeout.
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, torch\nimport shardwise as sw\n"
+        "mesh = sw.init_device_mesh('cpu', (2,))\n"
+        "x = sw.distribute_tensor(torch.ones(4, 4), mesh, [sw.Shard(0)])\n"
+        "if os.environ['RANK'] == '1':\n    raise ValueError('rank 1 fails on purpose')\n"
+        "x.full_tensor()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "shardwise.cli", "run", "-n", "2", str(script)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "fails on purpose" in proc.stdout + proc.stderr

@@ -9,8 +9,10 @@ mesh and sub-mesh that needs the same slice.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import os
+import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -341,6 +343,39 @@ def _init_default_group(device_type: str, world_size: int) -> None:
         )
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    atexit.register(_destroy_default_group)
+    _note_uncaught_exceptions()
+
+
+_CLEAN_EXIT = [True]  # False once an exception went uncaught: the process is failing
+
+
+def _note_uncaught_exceptions() -> None:
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        _CLEAN_EXIT[0] = False
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def _destroy_default_group() -> None:
+    """At exit, shut down the group `init_device_mesh` started, after every rank got there.
+
+    Left to the interpreter's teardown, a rank that finished first took the group down under
+    the others' feet, and one in six runs of a 2-process script aborted after it had finished
+    ("terminate called without an active exception"). A process failing with an uncaught
+    exception skips the barrier (its peers may be blocked in a collective that now fails
+    fast because this process leaves) and only shuts its group down.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if _CLEAN_EXIT[0]:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def init_device_mesh(
