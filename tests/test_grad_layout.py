@@ -123,3 +123,33 @@ def test_no_sync_on_a_module_without_dtensor_parameters_says_what_to_do() -> Non
     with pytest.raises(ValueError, match="no DTensor parameters and is not data parallel"):
         with no_sync(nn.Linear(2, 2)):
             pass
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward fails on purpose")
+
+
+@distributed(world_size=2)
+def test_a_backward_that_fails_midway_does_not_stop_later_ones_from_reducing() -> None:
+    # Regression: the end-of-backward reduction was queued only while no leaf was pending; a
+    # backward that raised after a leaf accumulated left it pending, so no later backward
+    # queued its reduction and every gradient after that stayed Partial.
+    mesh = sw.init_device_mesh("cpu", (2,))
+    w1 = nn.Parameter(sw.distribute_tensor(seeded(4, 4), mesh, [Replicate()]))
+    w2 = nn.Parameter(sw.distribute_tensor(seeded(4, 4, seed=1), mesh, [Replicate()]))
+    x = sw.distribute_tensor(seeded(6, 4, seed=2), mesh, [Shard(0)])
+    with pytest.raises(RuntimeError, match="on purpose"):
+        (_FailsInBackward.apply(x @ w1) @ w2).sum().backward()  # w2's gradient accumulates, then it fails
+    w1.grad = w2.grad = None
+    ((x @ w1) @ w2).sum().backward()
+    ref1, ref2 = seeded(4, 4).requires_grad_(True), seeded(4, 4, seed=1).requires_grad_(True)
+    ((seeded(6, 4, seed=2) @ ref1) @ ref2).sum().backward()
+    for got, want in ((w1, ref1), (w2, ref2)):
+        assert got.grad.placements == (Replicate(),)
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -32,6 +32,9 @@ __all__ = ["BUCKET_BYTES", "deferred", "note_accumulated"]
 BUCKET_BYTES = 25 * 2**20
 
 _NOTED: list[Any] = []  # leaves (DTensors) whose gradient this backward pass still has to reduce
+# The backward pass (autograd graph task) whose end already has `_reduce_noted` queued. A pass
+# that raises never runs its callback; the next pass queues its own and reduces both passes' leaves.
+_QUEUED_FOR: list[Optional[int]] = [None]
 _DEFERRED: dict[int, int] = {}  # id(leaf) -> how many `deferred` blocks hold it
 
 
@@ -61,8 +64,10 @@ def note_accumulated(leaf: torch.Tensor) -> None:
     have, want = grad._spec, leaf._spec
     if not have.has_partial() or want.has_partial() or have.mesh != want.mesh or id(leaf) in _DEFERRED:
         return
-    if not _NOTED:
+    task = torch._C._current_graph_task_id()
+    if _QUEUED_FOR[0] != task:  # first leaf of this backward pass (or an earlier pass failed midway)
         torch.autograd.Variable._execution_engine.queue_callback(_reduce_noted)
+        _QUEUED_FOR[0] = task
     _NOTED.append(leaf)
 
 
@@ -71,6 +76,7 @@ def _reduce_noted() -> None:
     from ._dtensor import DTensor
     from ._redistribute import collective_for, redistribute_local
 
+    _QUEUED_FOR[0] = None
     leaves = list(_NOTED)
     _NOTED.clear()
     buckets: dict[tuple[Any, ...], tuple[Any, list[tuple[Any, Any, torch.Tensor]]]] = {}
