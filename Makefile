@@ -18,7 +18,9 @@ $(STAMP): $(PY) pyproject.toml
 
 setup: $(STAMP)
 
+# mypy --strict on src/ first (configured in pyproject.toml): a type error fails the run
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)

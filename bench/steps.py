@@ -5,7 +5,7 @@ model (deep copies of one seeded module) sharded the same way: the MLP through e
 library's `parallelize_module` with ColwiseParallel / RowwiseParallel, the GPT by
 hand-placed weights (Megatron: q, k, v, up split by output features, proj and down by
 input features, everything else replicated; the batch split over dp), as
-tests/test_model_parity.py places them. A third sharded copy runs the same step through
+tests/parallel/test_model_parity.py places them. A third sharded copy runs the same step through
 `shardwise.compile`: its first call creates the optimizer state, its second (in the warmup)
 traces, and every timed call replays. A plain single-process copy steps in the same
 interleaved loop, on every rank, as the yardstick. Every copy takes the same number of

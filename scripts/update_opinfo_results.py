@@ -5,7 +5,7 @@ Usage (from the repository root)::
     .venv/bin/python scripts/update_opinfo_results.py            # both meshes, rewrite the JSON
     .venv/bin/python scripts/update_opinfo_results.py --check    # print the changes, write nothing
 
-This is the only place ops are promoted: `tests/test_opinfo_sweep.py` fails when a
+This is the only place ops are promoted: `tests/ops/test_opinfo_sweep.py` fails when a
 recorded `pass` regresses or any op gives a wrong value, and never rewrites the file.
 The script refuses to write while any op is a `mismatch` unless `--allow-mismatch` is
 given (a recorded mismatch must be a decision, not an accident). It prints what changed

@@ -1,8 +1,19 @@
-"""Fixtures shared by the whole test suite."""
+"""Fixtures shared by the whole test suite, and the `multirank` marker.
+
+The tree mirrors `src/shardwise`: `tests/ops/` tests `_ops`, `tests/tensor/` the DTensor
+layer, and so on; the top level holds the tests of the top-level modules and the shared
+support (`oracle.py`, `strategy_sim.py`, `dist_helpers.py`, `models.py`, the OpInfo sweep).
+
+A test whose body runs on several processes (decorated with `@distributed(...)`, or
+calling `run_distributed`) is marked `multirank`, so `pytest -m "not multirank"` runs the
+single-process tests alone.
+"""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
+from typing import Optional
 
 import pytest
 
@@ -17,3 +28,33 @@ from shardwise.testing import shutdown_pools
 def _shardwise_worker_pools() -> Iterator[None]:
     yield
     shutdown_pools()
+
+
+def _runs_on_ranks(fn: object, seen: Optional[set[int]] = None) -> bool:
+    """Whether a test function runs a body on several processes: it is `@distributed`, or
+    it (or a function it calls by a module-level name, transitively) calls `run_distributed`."""
+    seen = set() if seen is None else seen
+    unwrapped = inspect.unwrap(fn, stop=lambda f: hasattr(f, "__shardwise_body__"))  # type: ignore[arg-type]
+    if hasattr(unwrapped, "__shardwise_body__"):
+        return True
+    if id(unwrapped) in seen or not inspect.isfunction(unwrapped):
+        return False
+    seen.add(id(unwrapped))
+    codes = [unwrapped.__code__]
+    while codes:
+        code = codes.pop()
+        codes.extend(c for c in code.co_consts if inspect.iscode(c))  # lambdas and inner functions
+        for name in code.co_names:
+            if name == "run_distributed":
+                return True
+            callee = unwrapped.__globals__.get(name)
+            if inspect.isfunction(callee) and _runs_on_ranks(callee, seen):
+                return True
+    return False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fn = getattr(item, "function", None)
+        if fn is not None and _runs_on_ranks(fn):
+            item.add_marker(pytest.mark.multirank)

@@ -21,6 +21,8 @@ import pytest
 from bench.overhead import MESHES, OPS
 from bench.redistribute import CASES
 
+pytestmark = pytest.mark.multirank  # every test here launches processes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

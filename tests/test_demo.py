@@ -21,6 +21,8 @@ from shardwise._demo.train import DemoConfig, train_reference, train_sharded
 from shardwise._demo.tour import run_tour
 from shardwise.testing import run_distributed
 
+pytestmark = pytest.mark.multirank  # every test here launches processes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

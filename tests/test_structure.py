@@ -1,0 +1,138 @@
+"""The shape of the source tree: no import cycle, no module over 500 lines.
+
+The import graph counts every import statement, at the top of a file or inside a
+function: an import hidden in a function is still a dependency, and a cycle held
+together by one is still a cycle. Imports under `if TYPE_CHECKING:` never run and are
+left out. `from .x import name` is an edge to `x` (or to
+`x.name` when that is a module); importing a module also imports the packages above
+it, so an edge into another package counts its `__init__` too (a module's own
+ancestors and the root package are already importing when it runs).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+ROOT = "shardwise"
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for path in sorted((SRC / ROOT).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _is_package(name: str, modules: dict[str, Path]) -> bool:
+    return modules[name].name == "__init__.py"
+
+
+def _resolve(module: str, node: ast.ImportFrom, modules: dict[str, Path]) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if _is_package(module, modules) else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node but those under `if TYPE_CHECKING:`."""
+    found: list[ast.AST] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        found.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of this package it imports (see the module docstring)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, node, modules)
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.add(sub if sub in modules else base)
+        edges: set[str] = set()
+        ancestors = {".".join(name.split(".")[:k]) for k in range(1, len(name.split(".")) + 1)}
+        for target in targets:
+            parts = target.split(".")
+            for k in range(2, len(parts) + 1):  # the target and every package above it but the root
+                prefix = ".".join(parts[:k])
+                if prefix in modules and prefix not in ancestors and prefix != name:
+                    edges.add(prefix)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_through_an_import_in_a_function() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12 in progress: the _tensor modules still import each other")
+def test_no_import_cycle_under_src() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles (each line: modules that import each other, directly or not):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12 in progress: _ops/_nn.py and _ops/_index.py are split later")
+def test_no_module_over_500_lines() -> None:
+    long = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    over = {name: n for name, n in long.items() if n > MAX_LINES}
+    assert not over, f"modules over {MAX_LINES} lines (split them by job): {over}"
