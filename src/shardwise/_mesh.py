@@ -82,6 +82,12 @@ class AbstractMesh:
     def abstract(self) -> AbstractMesh:
         return self
 
+    @property
+    def has_mesh_group(self) -> bool:
+        """Whether collectives may span the whole mesh at once (a redistribute's exchange
+        step): planned as if a real mesh of this shape had its group over every rank."""
+        return True
+
     def _key(self) -> tuple[Any, ...]:
         return (self.shape, self.mesh_dim_names)
 
@@ -248,6 +254,18 @@ class DeviceMesh(AbstractMesh):
 
     def get_all_groups(self) -> list[Any]:
         return list(self._groups)
+
+    @property
+    def has_mesh_group(self) -> bool:
+        """Whether this mesh has a process group over all its ranks (a mesh of 2+ dims built
+        by `DeviceMesh(...)` / `init_device_mesh`; a sub-mesh has one only when it covers
+        the world): redistribute plans use the exchange step only where it does."""
+        return self._whole is not None
+
+    def get_mesh_group(self) -> Optional[tuple[Any, tuple[int, ...]]]:
+        """The process group over every rank of the mesh and each mesh position's rank in
+        it (row-major), or None where `has_mesh_group` is False."""
+        return self._whole
 
     def ranks_along(self, mesh_dim: MeshDim) -> tuple[int, ...]:
         """Global ranks of this process's slice along `mesh_dim`, in mesh order."""

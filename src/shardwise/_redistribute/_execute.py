@@ -1,121 +1,149 @@
-"""Run a redistribute plan on this rank's local tensor, one step at a time, through `comm`."""
+"""Run a redistribute plan on this rank's piece: the plan's steps as a program of
+collective records (`shardwise._comm`) and local steps, built once per plan and rank.
+
+Every step's input is known before anything runs: its layout is the previous step's
+output, so this rank's piece of it is a box of global indices (`_exchange.box_of`). So
+the program is built once, from the plan, the mesh's groups and this rank's coordinate,
+and each run is a loop of `comm.run(record, local)` and local narrowing.
+
+| step | on this rank |
+|---|---|
+| chunk R -> S(d) | keep piece `me` of `n` along d (`torch.chunk` sizes) |
+| partialize R -> P(sum) | the first rank of the mesh dim keeps the value, the others hold zeros |
+| all_gather, all_to_all, all_reduce, reduce_scatter | one record on the mesh dim's group |
+| exchange, all_reduce_mesh | one record on the group over the whole mesh |
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
 
 from .. import _comm as comm
 from .._layout import chunk_range
 from .._placement import Partial, Shard
-from ._exchange import exchange_routes
-from ._planner import RedistributePlan, Step
+from ._exchange import box_of, exchange_routes
+from ._planner import Orders, RedistributePlan, Step, orders_of
 
-__all__ = ["Call", "execute_plan", "single_collective"]
-
-
-def _local_size(size: int, mesh_shape: Sequence[int], splitters: Sequence[int], coordinate: Sequence[int]) -> int:
-    for m in splitters:
-        size = chunk_range(size, mesh_shape[m], coordinate[m])[1]
-    return size
+__all__ = ["LocalStep", "Instruction", "Program", "build_program", "run_program"]
 
 
-def _pieces(parent: int, n: int) -> list[int]:
-    return [chunk_range(parent, n, j)[1] for j in range(n)]
+@dataclass(frozen=True)
+class LocalStep:
+    """A step without communication: `chunk` keeps `(start, length)` of `tensor_dim`;
+    `zero` replaces the piece by zeros (a non-first term of a P(sum))."""
+
+    kind: str
+    tensor_dim: int = 0
+    start: int = 0
+    length: int = 0
 
 
-Call = tuple[str, tuple[Any, ...]]  # a `_comm` tensor collective's name and its arguments
+Instruction = Union[comm.Collective, LocalStep]
+Program = tuple[Instruction, ...]
 
 
-def _collective(
+def _pieces(parent: int, n: int) -> tuple[int, ...]:
+    return tuple(chunk_range(parent, n, j)[1] for j in range(n))
+
+
+def _instruction(
     step: Step,
-    local: torch.Tensor,
+    before: Orders,
     plan: RedistributePlan,
+    dtype: torch.dtype,
     groups: Sequence[Any],
     coordinate: tuple[int, ...],
     whole: Optional[tuple[Any, Sequence[int]]],
-) -> Optional[Call]:
-    """The `_comm` collective that performs `step` on `local`, or None for a step without one."""
+) -> Optional[Instruction]:
+    """What `step` does on this rank, its input laid out with split orders `before`; None for nothing."""
     mesh_shape, gshape = plan.mesh_shape, plan.global_shape
+    shape = tuple(length for _, length in box_of(gshape, mesh_shape, before, coordinate))
+    common: dict[str, Any] = {"shape": shape, "dtype": dtype}
     kind = step.kind
-    if kind == "exchange":
-        assert whole is not None, "an exchange needs the whole mesh's group: plan with exchange=False"
+    if kind in ("exchange", "all_reduce_mesh"):
+        if whole is None:
+            raise ValueError(f"the plan's {kind} step needs a group over the whole mesh, which this mesh has none of: "
+                             f"plan with exchange=mesh.has_mesh_group")
         group, ranks = whole
+        common.update(group=group, size=len(ranks), mesh_dims=tuple(range(len(mesh_shape))))
+        if kind == "all_reduce_mesh":
+            assert isinstance(step.src, tuple) and isinstance(step.src[0], Partial)
+            return comm.AllReduce(op=step.src[0].reduce_op, **common)
         routes = exchange_routes(mesh_shape, gshape, step.src_orders, step.orders, coordinate)
-        sends = [(ranks[peer], box) for peer, box in routes.sends]
-        recvs = [(ranks[peer], box) for peer, box in routes.recvs]
-        return "all_to_all_boxes", (local, group, len(ranks), routes.out_shape, sends, recvs, routes.keep)
-    if kind == "all_reduce_mesh":
-        assert whole is not None and isinstance(step.src, tuple) and isinstance(step.src[0], Partial)
-        return "all_reduce", (local, whole[0], len(whole[1]), step.src[0].reduce_op)
+        return comm.AllToAllBoxes(
+            out_shape=tuple(routes.out_shape),
+            sends=tuple((ranks[peer], tuple(box)) for peer, box in routes.sends),
+            recvs=tuple((ranks[peer], tuple(box)) for peer, box in routes.recvs),
+            keep=None if routes.keep is None else (tuple(routes.keep[0]), tuple(routes.keep[1])),
+            **common,
+        )
     i = step.mesh_dim
     n, me = mesh_shape[i], coordinate[i]
-    if kind in ("chunk", "partialize") or n == 1:
-        return None  # local; on a mesh dim of one rank, its piece is already the whole and its term the total
+    if kind == "chunk":
+        assert isinstance(step.dst, Shard)
+        d = step.dst.dim
+        start, length = chunk_range(shape[d], n, me)
+        return None if n == 1 else LocalStep("chunk", d, start, length)
+    if kind == "partialize":
+        assert isinstance(step.dst, Partial)
+        return LocalStep("zero") if step.dst.reduce_op == "sum" and me != 0 else None
+    if n == 1:
+        return None  # one rank: its piece is already the whole and its term the total
+    common.update(group=groups[i], size=n, mesh_dims=(i,))
     if kind == "all_gather":
         assert isinstance(step.src, Shard)
         d = step.src.dim
-        parent = _local_size(gshape[d], mesh_shape, step.orders[d], coordinate)
-        return "all_gather_cat", (local, groups[i], n, d, _pieces(parent, n))
+        after = box_of(gshape, mesh_shape, step.orders, coordinate)
+        return comm.AllGather(tensor_dim=d, pieces=_pieces(after[d][1], n), **common)
     if kind == "all_to_all":
         assert isinstance(step.src, Shard) and isinstance(step.dst, Shard)
         d, e = step.src.dim, step.dst.dim
-        parent_d = _local_size(gshape[d], mesh_shape, step.orders[d], coordinate)
-        return "all_to_all_cat", (local, groups[i], n, e, d, _pieces(local.size(e), n), _pieces(parent_d, n), me)
+        parent_d = box_of(gshape, mesh_shape, step.orders, coordinate)[d][1]
+        return comm.AllToAll(split_dim=e, cat_dim=d, split_sizes=_pieces(shape[e], n), cat_pieces=_pieces(parent_d, n),
+                             index=me, **common)
     if kind == "all_reduce":
         assert isinstance(step.src, Partial)
-        return "all_reduce", (local, groups[i], n, step.src.reduce_op)
+        return comm.AllReduce(op=step.src.reduce_op, **common)
     if kind == "reduce_scatter":
         assert isinstance(step.src, Partial) and isinstance(step.dst, Shard)
         d = step.dst.dim
-        return "reduce_scatter_cat", (local, groups[i], n, d, _pieces(local.size(d), n), me, step.src.reduce_op)
+        return comm.ReduceScatter(tensor_dim=d, pieces=_pieces(shape[d], n), index=me, op=step.src.reduce_op, **common)
     raise NotImplementedError(kind)  # pragma: no cover - the planner emits only the kinds above
 
 
-def _local_step(step: Step, local: torch.Tensor, n: int, me: int) -> torch.Tensor:
-    if step.kind == "chunk":
-        assert isinstance(step.dst, Shard)
-        d = step.dst.dim
-        start, length = chunk_range(local.size(d), n, me)
-        return local.narrow(d, start, length).contiguous()
-    if step.kind == "partialize":
-        assert isinstance(step.dst, Partial)
-        if step.dst.reduce_op == "sum" and me != 0:
-            return torch.zeros_like(local)
-    return local
-
-
-def execute_plan(
-    local: torch.Tensor,
+def build_program(
     plan: RedistributePlan,
+    dtype: torch.dtype,
+    src_order: Any,
     groups: Sequence[Any],
     coordinate: tuple[int, ...],
-    whole: Optional[tuple[Any, Sequence[int]]] = None,
-) -> torch.Tensor:
-    """Apply `plan` to `local` (this rank's piece); `groups[i]` is this rank's group on mesh
-    dim i; `whole` the group over the whole mesh and each mesh position's rank in it (for
-    the steps over every mesh dim)."""
+    whole: Optional[tuple[Any, Sequence[int]]],
+) -> Program:
+    """The instructions that carry out `plan` on the rank at `coordinate`: `groups[i]` is its
+    group along mesh dim i, `whole` the group over the whole mesh with each mesh position's
+    rank in it (None when the mesh has none); `src_order` the source's split order."""
+    before = orders_of(plan.src, src_order, len(plan.global_shape))
+    out: list[Instruction] = []
     for step in plan.steps:
-        call = _collective(step, local, plan, groups, coordinate, whole)
-        if call is None:
-            i = step.mesh_dim
-            local = _local_step(step, local, plan.mesh_shape[i], coordinate[i])
+        made = _instruction(step, before, plan, dtype, groups, coordinate, whole)
+        if made is not None:
+            out.append(made)
+        before = step.orders
+    return tuple(out)
+
+
+def run_program(program: Program, local: torch.Tensor) -> torch.Tensor:
+    """Apply `program` to `local` (this rank's piece of the source)."""
+    for instruction in program:
+        if type(instruction) is LocalStep:
+            if instruction.kind == "chunk":
+                local = local.narrow(instruction.tensor_dim, instruction.start, instruction.length).contiguous()
+            else:
+                local = torch.zeros_like(local)
         else:
-            name, args = call
-            local = getattr(comm, name)(*args)  # looked up per call: a trace routes these names
+            local = comm.run(instruction, local)  # type: ignore[arg-type]
     return local
-
-
-def single_collective(
-    local: torch.Tensor,
-    plan: RedistributePlan,
-    groups: Sequence[Any],
-    coordinate: tuple[int, ...],
-    whole: Optional[tuple[Any, Sequence[int]]] = None,
-) -> Optional[Call]:
-    """The one `_comm` collective a plan of exactly one such step makes; None for any other plan."""
-    if len(plan.steps) != 1:
-        return None
-    return _collective(plan.steps[0], local, plan, groups, coordinate, whole)

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from .. import _comm
 from .._spec import DTensorSpec
+from ._redistribute import redistribute_local, start_redistribute
 
 __all__ = ["Pending", "adopt", "redistribute_async", "resolve"]
 
@@ -74,9 +75,7 @@ def redistribute_async(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
 
     A plan of one collective is issued here with the process group's own `async_op` (no
     thread of ours in between); a longer plan runs on `_comm`'s worker thread."""
-    from ._redistribute import redistribute_local, start_redistribute
-
-    coordinate = src.mesh._coordinate  # type: ignore[attr-defined]
+    coordinate = src.mesh.get_coordinate()  # type: ignore[attr-defined]
     shape = dst.local_shape_and_offset(coordinate)[0] if coordinate is not None else tuple(local.shape)
     started = start_redistribute(resolve(local), src, dst)
     if started is not None:

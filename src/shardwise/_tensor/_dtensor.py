@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import _comm as comm
 from .._layout import ShardOrderLike, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh
 from .._ops._utils import order_like
@@ -27,7 +28,6 @@ from .._partition_spec import PartitionEntry, from_placements
 from .._placement import Partial, Placement, Replicate
 from .._spec import DTensorSpec
 from ._async import Pending, adopt, redistribute_async, resolve
-from ._compile_comm import tracing
 from ._grad_reduce import note_accumulated
 from ._redistribute import redistribute_local
 
@@ -186,7 +186,7 @@ class DTensor(torch.Tensor):
         target_spec = spec.with_placements(target, order)
         if target_spec == spec:
             return self
-        return _Redistribute.apply(self, target_spec, async_op and not tracing())  # type: ignore[no-untyped-call,no-any-return]
+        return _Redistribute.apply(self, target_spec, async_op and not comm.must_be_synchronous())  # type: ignore[no-untyped-call,no-any-return]
 
     def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """The whole global tensor on every rank (differentiable)."""

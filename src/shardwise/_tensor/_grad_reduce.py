@@ -8,10 +8,10 @@ notes the leaf when backward has accumulated its gradient, and at the end of the
 pass the noted gradients are reduced into their leaves' placements: `param.grad` then has
 `param`'s layout and the optimizer step moves nothing.
 
-Gradients whose reduction is one all_reduce over the same group, with the same reduce op
-and dtype, travel together: flattened into buckets of about `BUCKET_BYTES`, one
-all_reduce per bucket (the order is the order backward produced them, the same on every
-rank). Any other reduction (a reduce_scatter into a Shard leaf, several steps) runs on its
+Gradients whose reduction is one all_reduce over the same group, with the same reduce op,
+travel together through the one bucketer (`_comm.all_reduce_coalesced`: buckets of about
+25 MiB per dtype, one all_reduce each, in the order backward produced them, the same on
+every rank). Any other reduction (a reduce_scatter into a Shard leaf, several steps) runs on its
 own. With several backward passes before an optimizer step, each pass reduces its own term,
 unless the passes run inside `shardwise.parallel.no_sync(model)` (`deferred` here): then
 the terms accumulate unreduced and the first backward after the block reduces their sum.
@@ -27,9 +27,7 @@ import torch
 
 from .. import _comm
 
-__all__ = ["BUCKET_BYTES", "deferred", "note_accumulated"]
-
-BUCKET_BYTES = 25 * 2**20
+__all__ = ["deferred", "note_accumulated"]
 
 _NOTED: list[Any] = []  # leaves (DTensors) whose gradient this backward pass still has to reduce
 # The backward pass (autograd graph task) whose end already has `_reduce_noted` queued. A pass
@@ -74,12 +72,12 @@ def note_accumulated(leaf: torch.Tensor) -> None:
 def _reduce_noted() -> None:
     from ._async import resolve
     from ._dtensor import DTensor
-    from ._redistribute import collective_for, redistribute_local
+    from ._redistribute import move_between, redistribute_local
 
     _QUEUED_FOR[0] = None
     leaves = list(_NOTED)
     _NOTED.clear()
-    buckets: dict[tuple[Any, ...], tuple[Any, list[tuple[Any, Any, torch.Tensor]]]] = {}
+    buckets: dict[tuple[Any, ...], list[tuple[Any, Any, torch.Tensor]]] = {}
     with torch.no_grad():
         for leaf in leaves:
             grad = leaf.grad
@@ -88,32 +86,14 @@ def _reduce_noted() -> None:
             have = grad._spec
             target = have.with_placements(leaf._spec.placements, leaf._spec.shard_order)
             local = resolve(grad._local_tensor)
-            call = collective_for(local, have, target)
-            if call is not None and call[0] == "all_reduce":
-                _, group, n, op = call[1]
-                buckets.setdefault((id(group), n, op, local.dtype), (group, []))[1].append((leaf, target, local))
+            single = move_between(have, target).single
+            if isinstance(single, _comm.AllReduce):
+                key = (single.group, single.size, single.op, single.mesh_dims)
+                buckets.setdefault(key, []).append((leaf, target, local))
             else:
                 leaf.grad = DTensor(redistribute_local(local, have, target), target, requires_grad=False)
-        for (_, n, op, _), (group, items) in buckets.items():
-            for chunk in _chunks(items):
-                flat = torch.cat([local.reshape(-1) for _, _, local in chunk])
-                reduced = _comm.all_reduce(flat, group, n, op)
-                start = 0
-                for leaf, target, local in chunk:
-                    piece = reduced.narrow(0, start, local.numel()).view(local.shape)
-                    start += local.numel()
-                    leaf.grad = DTensor(piece, target, requires_grad=False)
-
-
-def _chunks(items: list[tuple[Any, Any, torch.Tensor]]) -> list[list[tuple[Any, Any, torch.Tensor]]]:
-    """Consecutive runs of about `BUCKET_BYTES` each."""
-    out: list[list[tuple[Any, Any, torch.Tensor]]] = [[]]
-    size = 0
-    for item in items:
-        nbytes = item[2].numel() * item[2].element_size()
-        if out[-1] and size + nbytes > BUCKET_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(item)
-        size += nbytes
-    return out
+        for (group, n, op, mesh_dims), items in buckets.items():
+            reduced = _comm.all_reduce_coalesced([local for _, _, local in items], group, n, op, mesh_dims=mesh_dims)
+            for (leaf, target, _), piece in zip(items, reduced):
+                assert piece is not None  # every value was given: no absent ones
+                leaf.grad = DTensor(piece, target, requires_grad=False)

@@ -1,61 +1,76 @@
-"""Redistribute a local piece from one layout to another: plan (cached, pure) then execute."""
+"""Redistribute a local piece from one layout to another on its mesh.
+
+A `Move` is the plan between two specs (`_redistribute.plan_between`, the plan propagation
+priced) and this rank's program for it (collective records and local steps), built once
+per pair of specs; every later move of the same pair only runs the program.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from .. import _comm as comm
 from .._mesh import DeviceMesh
-from .._redistribute import plan_redistribute
-from .._comm import Started
-from .._comm import start as comm_start
-from .._redistribute import RedistributePlan
-from .._redistribute._execute import Call, execute_plan, single_collective
+from .._redistribute import Program, RedistributePlan, build_program, plan_between, run_program
 from .._spec import DTensorSpec
 
-__all__ = ["collective_for", "redistribute_local", "start_redistribute"]
+__all__ = ["Move", "move_between", "redistribute_local", "start_redistribute"]
 
 
-def _plan(src: DTensorSpec, dst: DTensorSpec) -> tuple[DeviceMesh, RedistributePlan]:
-    mesh = src.mesh
-    assert isinstance(mesh, DeviceMesh)
-    plan = plan_redistribute(
-        mesh.shape,
-        tuple(src.shape),
-        src.dtype.itemsize,
-        src.placements,
-        dst.placements,
-        src.shard_order,
-        dst.shard_order,
-        None,
-        mesh._whole is not None,  # a sub-mesh without a group over all its ranks cannot exchange
-    )
-    return mesh, plan
+@dataclass(frozen=True)
+class Move:
+    """What this rank does to move a piece from `src` to `dst`: `plan` (the same on every
+    rank) and `program` (empty on a rank outside the mesh, which holds nothing to move)."""
+
+    src: DTensorSpec
+    dst: DTensorSpec
+    plan: RedistributePlan
+    program: Program
+
+    @property
+    def single(self) -> Optional[comm.Collective]:
+        """The program's one collective, when it is exactly that."""
+        if len(self.program) == 1 and isinstance(self.program[0], comm.Collective):
+            return self.program[0]
+        return None
+
+
+_MOVES: dict[tuple[DTensorSpec, DTensorSpec], Move] = {}
+
+
+def move_between(src: DTensorSpec, dst: DTensorSpec) -> Move:
+    """The (cached) move from `src` to `dst` on their mesh."""
+    key = (src, dst)
+    found = _MOVES.get(key)
+    if found is None:
+        mesh = src.mesh
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"moving a piece needs a DTensor on a DeviceMesh, got a spec on {mesh!r}")
+        plan = plan_between(src, dst)
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            program: Program = ()
+        else:
+            groups = mesh.get_all_groups()
+            program = build_program(plan, src.dtype, src.shard_order, groups, tuple(coordinate), mesh.get_mesh_group())
+        found = _MOVES[key] = Move(src, dst, plan, program)
+    return found
 
 
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
     """This rank's piece of the same global tensor in layout `dst` (same mesh)."""
     if src.placements == dst.placements and src.shard_order == dst.shard_order:
         return local
-    mesh, plan = _plan(src, dst)
-    coordinate = mesh._coordinate
-    if coordinate is None:
-        return local
-    return execute_plan(local, plan, mesh._groups, coordinate, mesh._whole)
+    found = _MOVES.get((src, dst))
+    if found is None:
+        found = move_between(src, dst)
+    return run_program(found.program, local)
 
 
-def collective_for(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Optional[Call]:
-    """The one `_comm` collective (name, arguments) that moves `local` from `src` to `dst`,
-    or None when the move is not exactly one collective."""
-    mesh, plan = _plan(src, dst)
-    coordinate = mesh._coordinate
-    if coordinate is None:
-        return None
-    return single_collective(local, plan, mesh._groups, coordinate, mesh._whole)
-
-
-def start_redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Optional[Started]:
-    """Issue a redistribute that is one collective without waiting for it (None otherwise)."""
-    call = collective_for(local, src, dst)
-    return None if call is None else comm_start(call[0], *call[1])
+def start_redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Optional[comm.Started]:
+    """Issue a redistribute that is one collective without waiting (None otherwise)."""
+    single = move_between(src, dst).single
+    return None if single is None else comm.start(single, local)

@@ -18,8 +18,9 @@ plain local piece, or a DTensor on the tensor-parallel sub-mesh.
 
 Each rank's gradient is that of its own mean loss, so the average over dp is the
 gradient of the mean over the whole batch (equal local batch sizes). Replicated
-gradients are flattened into buckets of about `bucket_cap_mb` per dtype and reduced
-once per backward, from an autograd-engine callback, in a fixed bucket order: the
+gradients go through the one bucketer (`_comm.all_reduce_coalesced`: buckets of about
+`bucket_cap_mb` per dtype) once per backward, from an autograd-engine callback, in a
+fixed order (last registered first): the
 collectives match across ranks even when a rank leaves some parameters unused (a
 parameter's gradient stays None only when no rank used it). Gloo runs collectives
 synchronously, so buckets are reduced at the end of backward rather than overlapped.
@@ -73,21 +74,23 @@ class _Param:
 
 @dataclass(eq=False)
 class _Reducer:
-    """Keeps replicated parameters' local gradients and averages them over dp, one all_reduce per bucket."""
+    """Keeps replicated parameters' local gradients and averages them over dp through the
+    one bucketer (`_comm.all_reduce_coalesced`), once per backward."""
 
-    buckets: list[list[_Param]]
+    params: list[_Param]  # last registered first: about the order backward produces them
     group: Any
     size: int
+    bucket_bytes: int
     sync: bool = True
     pending: dict[int, torch.Tensor] = field(default_factory=dict)  # id(_Param) -> local grad sum
     queued_task: Optional[int] = None
-    bucketed: set[int] = field(default_factory=set)
+    reduced: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.bucketed = {id(p) for bucket in self.buckets for p in bucket}
+        self.reduced = {id(p) for p in self.params}
 
     def add(self, p: _Param, grad: torch.Tensor) -> None:
-        if id(p) not in self.bucketed:
+        if id(p) not in self.reduced:
             raise ValueError(
                 f"parameter {p.name} got a gradient but did not require one when data_parallel placed it: "
                 f"set requires_grad before calling data_parallel"
@@ -105,39 +108,22 @@ class _Reducer:
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
     def flush(self) -> None:
-        """Average every bucket over dp and add the result to the parameters' `.grad` (Replicate on dp)."""
+        """Average the held gradients over dp and add them to the parameters' `.grad` (Replicate
+        on dp); a parameter no rank used keeps its gradient as it was."""
         self.queued_task = None
         with torch.no_grad():
-            for bucket in self.buckets:
-                self._reduce(bucket)
-
-    def _reduce(self, bucket: list[_Param]) -> None:
-        first = bucket[0].param
-        parts: list[torch.Tensor] = []
-        flags: list[float] = []
-        for p in bucket:
-            g = self.pending.pop(id(p), None)
-            flags.append(0.0 if g is None else 1.0)
-            if g is None:
-                g = torch.zeros(p.local_shape().numel(), dtype=first.dtype, device=first.device)
-            parts.append(g.reshape(-1))
-        parts.append(torch.tensor(flags, dtype=first.dtype, device=first.device))
-        flat = torch.cat(parts)  # (sum of local numels + len(bucket),)
-        if self.size > 1:
-            flat = comm.all_reduce(flat, self.group, self.size, "avg")
-        used = flat[-len(bucket):].tolist()
-        offset = 0
-        for p, flag in zip(bucket, used):
-            shape = p.local_shape()
-            piece = flat[offset : offset + shape.numel()].view(shape)
-            offset += shape.numel()
-            if flag == 0:  # no rank used this parameter: its gradient stays as it was
-                continue
-            grad = DTensor(piece, p.param._spec, requires_grad=False)
-            if p.param.grad is None:
-                p.param.grad = grad
-            else:
-                p.param.grad.add_(grad)
+            values = [self.pending.pop(id(p), None) for p in self.params]
+            templates = [p.param._local_tensor for p in self.params]
+            averaged = comm.all_reduce_coalesced(values, self.group, self.size, "avg", templates=templates,
+                                                 bucket_bytes=self.bucket_bytes)
+            for p, piece in zip(self.params, averaged):
+                if piece is None:
+                    continue
+                grad = DTensor(piece, p.param._spec, requires_grad=False)
+                if p.param.grad is None:
+                    p.param.grad = grad
+                else:
+                    p.param.grad.add_(grad)
 
 
 class _LocalView(torch.autograd.Function):
@@ -246,8 +232,8 @@ def data_parallel(
             owner._parameters[attr] = cast(nn.Parameter, entry.param)
 
     params = list(made.values())
-    buckets = _buckets([p for p in params if not p.sharded and p.param.requires_grad], bucket_cap_mb)
-    reducer = _Reducer(buckets, device_mesh.get_group(d), device_mesh.size(d))
+    reduced = [p for p in reversed(params) if not p.sharded and p.param.requires_grad]
+    reducer = _Reducer(reduced, device_mesh.get_group(d), device_mesh.size(d), int(bucket_cap_mb * 2**20))
     state = _State(device_mesh, d, params, owners, reducer)
     for owner, items in owners.items():
         state.handles.append(owner.register_forward_pre_hook(_make_pre_hook(state, items), prepend=True))
@@ -327,22 +313,6 @@ def _store(
         tp_placements if was_tp else (),
         p._spec.shard_order if isinstance(p, DTensor) else (),
     )
-
-
-def _buckets(params: list[_Param], cap_mb: float) -> list[list[_Param]]:
-    """Group parameters, last registered first (about backward order), into buckets of <= cap bytes per dtype."""
-    cap = cap_mb * 1024 * 1024
-    open_: dict[tuple[torch.dtype, torch.device], tuple[list[_Param], int]] = {}
-    done: list[list[_Param]] = []
-    for p in reversed(params):
-        key = (p.param.dtype, p.param.device)
-        nbytes = p.local_shape().numel() * p.param.element_size()
-        bucket, size = open_.get(key, ([], 0))
-        if bucket and size + nbytes > cap:
-            done.append(bucket)
-            bucket, size = [], 0
-        open_[key] = (bucket + [p], size + nbytes)
-    return done + [b for b, _ in open_.values() if b]
 
 
 def _make_pre_hook(state: _State, items: list[tuple[str, _Param]]) -> Any:

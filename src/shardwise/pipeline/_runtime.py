@@ -252,24 +252,17 @@ class DistributedPipe(nn.Module):
         if self._dp_group is None or self._dp_size == 1:
             return
         params = [p for p in self.parameters() if p.requires_grad]
-        for bucket in _buckets(params, self.bucket_cap_mb):
-            first = bucket[0]
-            parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
-            flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in bucket], dtype=first.dtype,
-                                 device=first.device)
-            flat = torch.cat(parts + [flags])
-            try:
-                flat = comm.all_reduce(flat, self._dp_group, self._dp_size, "avg")
-            except RuntimeError as exc:
-                raise PipelineError(
-                    f"rank {self.rank}: averaging gradients over {self.dp_dim!r} failed ({exc}): a rank of another "
-                    "data-parallel replica probably failed in this step") from exc
-            offset = 0
-            for p, used in zip(bucket, flat[-len(bucket):].tolist()):
-                piece = flat[offset: offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if used:
-                    p.grad = piece.clone()
+        grads = [p.grad for p in params]
+        try:
+            averaged = comm.all_reduce_coalesced(grads, self._dp_group, self._dp_size, "avg", templates=params,
+                                                 bucket_bytes=int(self.bucket_cap_mb * 2**20))
+        except RuntimeError as exc:
+            raise PipelineError(
+                f"rank {self.rank}: averaging gradients over {self.dp_dim!r} failed ({exc}): a rank of another "
+                "data-parallel replica probably failed in this step") from exc
+        for p, piece in zip(params, averaged):
+            if piece is not None:
+                p.grad = piece.clone()
 
 
 def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], schedule: str,
@@ -338,17 +331,4 @@ def _p2p_group(mesh: DeviceMesh, pp_index: int) -> Any:
     comm.all_gather_ints([0], mine, pp)
     return mine
 
-
-def _buckets(params: list[nn.Parameter], cap_mb: float) -> Iterator[list[nn.Parameter]]:
-    bucket: list[nn.Parameter] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if bucket and (size + nbytes > cap_mb * 2**20 or p.dtype != bucket[0].dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(p)
-        size += nbytes
-    if bucket:
-        yield bucket
 

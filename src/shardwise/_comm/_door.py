@@ -1,0 +1,180 @@
+"""The door every collective goes through, and the one interface for hooking into it.
+
+`run(collective, local)` issues one collective record (see `_collectives`) and returns
+its result; `start(collective, local)` issues it without waiting. Before either, the
+door waits for background jobs submitted earlier (`_async`), so every rank issues
+collectives in program order.
+
+Everything that wants to see or change collectives installs an `Interceptor` for the
+length of a block with `intercept(hook)`; hooks stack, innermost last:
+
+| hook method | called | used by |
+|---|---|---|
+| `observe(record)` | once per collective issued, with its `CommRecord` | `comm_log()` (counting) |
+| `takes_over(collective)` / `run(collective, local)` | instead of issuing it | `shardwise.compile` (a trace records a graph node) |
+| `synchronous` | read by `start` and the background path | a trace: collectives complete where issued |
+
+A hook that takes a collective over and wants it to run after all (a graph node's
+kernel) calls `run` again inside `suspended(hook)`, so the hooks below it see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ._async import has_pending, wait_pending
+from ._collectives import Collective, Finish
+
+__all__ = [
+    "CommRecord",
+    "Interceptor",
+    "Started",
+    "comm_log",
+    "intercept",
+    "must_be_synchronous",
+    "notify",
+    "run",
+    "start",
+    "suspended",
+]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as this rank saw it: its kind, group size and bytes received."""
+
+    op: str
+    group_size: int
+    bytes_received: int
+
+
+class Interceptor:
+    """A hook on the door (see the module docstring); the defaults do nothing."""
+
+    synchronous: bool = False
+
+    def observe(self, record: CommRecord) -> None:
+        """Told of each collective as it is issued, on this rank."""
+
+    def takes_over(self, collective: Collective) -> bool:
+        """Whether `run` below replaces issuing this collective."""
+        return False
+
+    def run(self, collective: Collective, local: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+_HOOKS: contextvars.ContextVar[tuple[Interceptor, ...]] = contextvars.ContextVar("shardwise_comm_hooks", default=())
+
+
+@contextlib.contextmanager
+def intercept(hook: Interceptor) -> Iterator[Interceptor]:
+    """Install `hook` on the door for the block (innermost last)."""
+    token = _HOOKS.set(_HOOKS.get() + (hook,))
+    try:
+        yield hook
+    finally:
+        _HOOKS.reset(token)
+
+
+@contextlib.contextmanager
+def suspended(hook: Interceptor) -> Iterator[None]:
+    """Inside the block, `hook` is not installed (the hooks below it still are)."""
+    token = _HOOKS.set(tuple(h for h in _HOOKS.get() if h is not hook))
+    try:
+        yield
+    finally:
+        _HOOKS.reset(token)
+
+
+def must_be_synchronous() -> bool:
+    """Whether an installed hook needs collectives to complete where they are issued."""
+    return any(h.synchronous for h in _HOOKS.get())
+
+
+def notify(record: CommRecord) -> None:
+    """Tell the installed hooks of a collective issued outside `run` / `start` (point-to-point)."""
+    for hook in _HOOKS.get():
+        hook.observe(record)
+
+
+def _record(collective: Collective) -> CommRecord:
+    return CommRecord(collective.kind, collective.size, collective.bytes_received)
+
+
+def run(collective: Collective, local: torch.Tensor, *, traceable: bool = True) -> torch.Tensor:
+    """Issue `collective` on this rank's `local` piece and return the result.
+
+    `traceable=False` for bookkeeping collectives (ranks agreeing on shapes or seeds): a
+    hook never takes those over."""
+    if has_pending():
+        wait_pending()
+    hooks = _HOOKS.get()
+    if hooks:
+        if traceable:
+            for hook in reversed(hooks):
+                if hook.takes_over(collective):
+                    return hook.run(collective, local)
+        record = _record(collective)
+        for hook in hooks:
+            hook.observe(record)
+    return collective.issue(local, False)[1]()
+
+
+class Started:
+    """A collective issued asynchronously: `result()` waits for it and builds the result
+    (once); `done()` says whether waiting would return at once."""
+
+    __slots__ = ("_work", "_finish", "_value")
+
+    def __init__(self, work: object, finish: Optional[Finish], value: Optional[torch.Tensor] = None) -> None:
+        self._work, self._finish = work, finish
+        self._value = value
+
+    def done(self) -> bool:
+        return self._value is not None or bool(self._work.is_completed())  # type: ignore[attr-defined]
+
+    def result(self) -> torch.Tensor:
+        if self._value is None:
+            self._work.wait()  # type: ignore[attr-defined]
+            assert self._finish is not None
+            self._value = self._finish()
+        return self._value
+
+
+def start(collective: Collective, local: torch.Tensor) -> Started:
+    """Issue `collective` without waiting: the process group runs it in the background, in
+    issue order. Under a synchronous hook it runs here, and the handle is already done."""
+    if has_pending():
+        wait_pending()
+    hooks = _HOOKS.get()
+    if any(h.synchronous or h.takes_over(collective) for h in hooks):
+        return Started(None, None, run(collective, local))
+    if hooks:
+        record = _record(collective)
+        for hook in hooks:
+            hook.observe(record)
+    work, finish = collective.issue(local, True)
+    return Started(work, finish)
+
+
+class _Log(Interceptor):
+    def __init__(self, records: list[CommRecord]) -> None:
+        self.records = records
+
+    def observe(self, record: CommRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def comm_log() -> Iterator[list[CommRecord]]:
+    """Record every collective issued inside the block (this rank's view)."""
+    records: list[CommRecord] = []
+    with intercept(_Log(records)):
+        yield records

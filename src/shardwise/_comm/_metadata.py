@@ -1,0 +1,46 @@
+"""Bookkeeping collectives: ranks agreeing on small lists of ints (shapes, seeds, fingerprints).
+
+They go through the door like every collective (counted by `comm_log()`, kept in program
+order), but never become graph nodes in a trace (`traceable=False`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._collectives import AllGather, Broadcast
+from ._door import run
+
+__all__ = ["all_gather_ints", "broadcast", "gather_over_mesh"]
+
+
+def all_gather_ints(values: Sequence[int], group: Any, n: int) -> list[list[int]]:
+    """Every rank's list of ints (all lists the same length), in group rank order."""
+    t = torch.tensor(list(values), dtype=torch.int64)
+    gather = AllGather(group=group, size=n, shape=tuple(t.shape), dtype=t.dtype, tensor_dim=0,
+                       pieces=(len(values),) * n)
+    out = run(gather, t, traceable=False)
+    return out.view(n, len(values)).tolist()
+
+
+def gather_over_mesh(values: Sequence[int], groups: Sequence[Any], mesh_shape: Sequence[int]) -> list[list[int]]:
+    """Every mesh rank's `values` (same length everywhere), in row-major order of mesh coordinates.
+
+    Gathers along the last mesh dim first, then each earlier one, so no whole-mesh group is needed.
+    """
+    flat = list(values)
+    for i in reversed(range(len(mesh_shape))):
+        n = mesh_shape[i]
+        rows = all_gather_ints(flat, groups[i], n) if n > 1 else [flat]
+        flat = [v for row in rows for v in row]
+    width = len(values)
+    return [flat[k : k + width] for k in range(0, len(flat), width)]
+
+
+def broadcast(tensor: torch.Tensor, group: Any, n: int, src: int) -> torch.Tensor:
+    """Global rank `src`'s `tensor` on every rank of `group` (a contiguous tensor, returned)."""
+    record = Broadcast(group=group, size=n, shape=tuple(tensor.shape), dtype=tensor.dtype, src=src)
+    return run(record, tensor, traceable=False)

@@ -1,0 +1,128 @@
+"""Point-to-point messages: pipeline stages talk to one peer at a time.
+
+Each message is recorded (for `comm_log()` and the other door hooks) with its peer, tag
+and a label saying what it carries, so a test can tell which rank received what; a wait
+that fails (timeout, or the peer's process gone) raises a `P2PError` naming the peer, the
+tag and the label. Like every collective, a send or receive first waits for the
+background jobs submitted before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._mesh import collective_timeout
+from ._async import has_pending, wait_pending
+from ._door import CommRecord, notify
+
+__all__ = ["P2PRecord", "P2PError", "P2PWork", "isend", "irecv", "send", "recv"]
+
+
+@dataclass(frozen=True)
+class P2PRecord(CommRecord):
+    """One point-to-point message as this rank saw it: `op` is "send" or "recv", `peer` the
+    global rank at the other end, `label` what the message carries; a send receives 0 bytes
+    and moves `bytes_sent`."""
+
+    peer: int
+    tag: int
+    label: str
+    bytes_sent: int
+
+
+class P2PError(RuntimeError):
+    """A point-to-point send or receive that did not complete (timed out, or the peer died);
+    `reason` is the message without the operation's description."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class P2PWork:
+    """A posted send or receive; `wait()` blocks until it completes or raises `P2PError`."""
+
+    def __init__(self, work: Any, op: str, peer: int, tag: int, label: str, tensor: torch.Tensor) -> None:
+        self._work = work
+        self.op, self.peer, self.tag, self.label = op, peer, tag, label
+        self.tensor = tensor  # the buffer; kept alive until the work completes
+
+    def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
+        """Wait at most `timeout` seconds (default `collective_timeout()`); return the buffer."""
+        seconds = collective_timeout().total_seconds() if timeout is None else timeout
+        try:
+            self._work.wait(timedelta(seconds=seconds))
+        except RuntimeError as exc:
+            raise P2PError(*self._explain(str(exc), seconds)) from exc
+        return self.tensor
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def _explain(self, cause: str, seconds: float) -> tuple[str, str]:
+        """(message, reason) for a failure whose backend error says `cause`."""
+        direction = "from" if self.op == "recv" else "to"
+        what = f"{self.op} of {self.label} {direction} rank {self.peer} (tag {self.tag})"
+        if "timed out" in cause.lower():
+            reason = (f"nothing came within {seconds:g} s (SHARDWISE_COLLECTIVE_TIMEOUT): rank {self.peer} is stuck, "
+                      f"waiting for something else, or never posted the matching {'send' if self.op == 'recv' else 'recv'}")
+            return f"{what} did not complete: {reason}", reason
+        if "closed" in cause.lower() or "reset" in cause.lower():
+            reason = f"the connection to rank {self.peer} closed, so its process has probably died ({cause.strip()})"
+        else:
+            reason = cause.strip()
+        return f"{what} failed: {reason}", reason
+
+
+def _check_peer(op: str, peer: int, tensor: torch.Tensor) -> None:
+    me = dist.get_rank()
+    if peer == me:
+        raise ValueError(f"{op} to or from rank {peer}, which is this rank: keep the tensor locally instead")
+    if op == "irecv" and not tensor.is_contiguous():
+        raise ValueError(f"irecv needs a contiguous buffer, got one of shape {tuple(tensor.shape)} and "
+                         f"stride {tensor.stride()}: pass torch.empty(shape) or .contiguous()")
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0, label: str = "a tensor") -> P2PWork:
+    """Post a send of `tensor` to global rank `dst` of `group`; the buffer must not change until `wait()`."""
+    if has_pending():
+        wait_pending()
+    _check_peer("isend", dst, tensor)
+    buf = tensor.contiguous()
+    try:
+        work = dist.isend(buf, dst, group=group, tag=tag)
+    except RuntimeError as exc:
+        raise P2PError(*P2PWork(None, "send", dst, tag, label, buf)._explain(str(exc), 0.0)) from exc
+    nbytes = buf.numel() * buf.element_size()
+    notify(P2PRecord("send", 2, 0, dst, tag, label, nbytes))
+    return P2PWork(work, "send", dst, tag, label, buf)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0, label: str = "a tensor") -> P2PWork:
+    """Post a receive into `tensor` (contiguous) from global rank `src` of `group`."""
+    if has_pending():
+        wait_pending()
+    _check_peer("irecv", src, tensor)
+    try:
+        work = dist.irecv(tensor, src, group=group, tag=tag)
+    except RuntimeError as exc:
+        raise P2PError(*P2PWork(None, "recv", src, tag, label, tensor)._explain(str(exc), 0.0)) from exc
+    notify(P2PRecord("recv", 2, tensor.numel() * tensor.element_size(), src, tag, label, 0))
+    return P2PWork(work, "recv", src, tag, label, tensor)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0, label: str = "a tensor",
+         timeout: Optional[float] = None) -> None:
+    """Send `tensor` to global rank `dst` and wait until it is received (see `P2PWork.wait`)."""
+    isend(tensor, dst, group, tag=tag, label=label).wait(timeout)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0, label: str = "a tensor",
+         timeout: Optional[float] = None) -> torch.Tensor:
+    """Receive into `tensor` from global rank `src`; returns it (see `P2PWork.wait`)."""
+    return irecv(tensor, src, group, tag=tag, label=label).wait(timeout)
