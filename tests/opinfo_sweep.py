@@ -28,7 +28,7 @@ uneven counts and replaces the pool, and the driver (`run_sweep`) starts the nex
 at the next op. A rank that crashes or hangs is caught the same way: rank 0 writes each
 op's name before it runs it and each outcome after, to a progress file the driver reads.
 
-Fallback detection wraps the dispatcher's `propagate` (its `OutputSharding.fallback`
+Fallback detection wraps DTensor's dispatch entry and the dispatcher's `propagate` (its `OutputSharding.fallback`
 flag) and clears the dispatch plan cache before every op, so every aten call of the op
 is seen at least once; errors are attributed to the last aten op dispatched.
 """
@@ -245,28 +245,29 @@ class _Trace:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        from shardwise._tensor import _dispatch, _dtensor
+        from shardwise._tensor import _dispatch
+        from shardwise._tensor._dtensor import DTensor
 
-        # The dispatcher as DTensor calls it, and the propagator as the dispatcher calls it.
-        orig_dispatch, orig_propagate = getattr(_dtensor, "_dispatch"), getattr(_dispatch, "propagate")
+        # DTensor's dispatch entry (a class attribute), and the propagator as the dispatcher calls it.
+        orig_entry, orig_propagate = DTensor.__dict__["__torch_dispatch__"], getattr(_dispatch, "propagate")
 
-        def dispatch(func: Any, args: Any, kwargs: Any) -> Any:
+        def entry(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             self.last = func
             self.seen[str(func)] = None
-            return orig_dispatch(func, args, kwargs)
+            return _dispatch.torch_dispatch(cls, func, types, args, kwargs)
 
-        def propagate(schema: Any) -> Any:
-            result = orig_propagate(schema)
+        def propagate(schema: Any, rule: Any = None) -> Any:
+            result = orig_propagate(schema, rule)
             if result.fallback:
                 self.fallback.add(str(schema.op))
             return result
 
-        setattr(_dtensor, "_dispatch", dispatch)
+        setattr(DTensor, "__torch_dispatch__", classmethod(entry))
         setattr(_dispatch, "propagate", propagate)
         try:
             yield
         finally:
-            setattr(_dtensor, "_dispatch", orig_dispatch)
+            setattr(DTensor, "__torch_dispatch__", orig_entry)
             setattr(_dispatch, "propagate", orig_propagate)
 
 

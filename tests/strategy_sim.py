@@ -26,7 +26,27 @@ from shardwise._spec import DTensorSpec, TensorMeta
 
 from .oracle import local_piece
 
-__all__ = ["check_op", "simulate", "assemble_output", "default_layouts", "coordinates"]
+__all__ = ["SimRank", "check_op", "simulate", "assemble_output", "default_layouts", "coordinates"]
+
+
+class SimRank:
+    """The runtime a local implementation gets (`shardwise._ops.Runtime`), for one simulated
+    rank: its coordinate; seeds only from an explicit `generator=` (no ranks to agree with);
+    no reductions (the simulator runs one rank at a time)."""
+
+    def __init__(self, coordinate: tuple[int, ...]) -> None:
+        self._coordinate = coordinate
+
+    def coordinate(self, mesh: Any) -> Optional[tuple[int, ...]]:
+        return self._coordinate
+
+    def seed(self, mesh: Any, generator: Optional[torch.Generator]) -> int:
+        if generator is None:
+            raise NotImplementedError("a simulated rank draws seeds only from an explicit generator=")
+        return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, generator=generator).item())
+
+    def all_reduce(self, t: torch.Tensor, mesh: Any, mesh_dim: int, op: str) -> torch.Tensor:
+        raise NotImplementedError("a simulated rank cannot reduce across ranks: test this on real ranks")
 
 
 def coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:

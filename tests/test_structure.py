@@ -123,7 +123,6 @@ def test_the_cycle_finder_finds_a_cycle_through_an_import_in_a_function() -> Non
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 in progress: the _tensor modules still import each other")
 def test_no_import_cycle_under_src() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles (each line: modules that import each other, directly or not):\n" + "\n".join(
@@ -131,7 +130,6 @@ def test_no_import_cycle_under_src() -> None:
     )
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 in progress: _ops/_nn.py and _ops/_index.py are split later")
 def test_no_module_over_500_lines() -> None:
     long = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     over = {name: n for name, n in long.items() if n > MAX_LINES}

@@ -12,6 +12,10 @@ may name another (`shard_order={0: (1, 0)}`: split tensor dim 0 by mesh dim 1 fi
 each piece by mesh dim 0). The order is part of the layout, so both `(("dp", "tp"),)` and
 `(("tp", "dp"),)` partition specs are representable.
 
+A *layout* is exactly that: placements per mesh dim plus the split order (`Layout`). A
+`DTensorSpec` is a layout on a mesh with the global shape, stride and dtype; everything
+else that says "layout" means one of these two.
+
 >>> local_shape_and_offset((10,), (4,), (Shard(0),), (3,))
 ((1,), (9,))
 >>> local_shape_and_offset((3, 8), (4,), (Shard(0),), (3,))  # dim smaller than the mesh
@@ -23,11 +27,13 @@ each piece by mesh dim 0). The order is part of the layout, so both `(("dp", "tp
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Union
 
 from ._placement import Placement, Shard
 
 __all__ = [
+    "Layout",
     "ShardOrder",
     "ShardOrderLike",
     "chunk_range",
@@ -45,6 +51,23 @@ __all__ = [
 # not ascending mesh-dim order, sorted by tensor dim; () when every order is the default.
 ShardOrder = tuple[tuple[int, tuple[int, ...]], ...]
 ShardOrderLike = Union[ShardOrder, Mapping[int, Sequence[int]], None]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Placements plus split order: how a tensor lies on a mesh, without the mesh or the
+    shape (what a strategy asks of an input or promises of an output).
+
+    >>> str(Layout((Shard(0), Shard(0)), ((0, (1, 0)),)))
+    '(S(0), S(0)) split 0:(1, 0)'
+    """
+
+    placements: tuple[Placement, ...]
+    shard_order: ShardOrder = ()
+
+    def __str__(self) -> str:
+        order = "".join(f" split {d}:{ms}" for d, ms in self.shard_order)
+        return format_placements(self.placements) + order
 
 
 def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:

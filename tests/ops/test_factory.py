@@ -19,11 +19,21 @@ import torch
 
 from shardwise import AbstractMesh, Partial, Placement, Replicate, Shard
 from shardwise._layout import contiguous_strides
-from shardwise._ops import Layout, OpSchema, OpStrategy, PlacementStrategy, ScalarTensor, TupleStrategy, get_op_strategy, propagate
+from shardwise._ops import (
+    Layout,
+    LocalCall,
+    OpSchema,
+    OpStrategy,
+    PlacementStrategy,
+    ScalarTensor,
+    TupleStrategy,
+    get_op_strategy,
+    propagate,
+    rule_for,
+)
 from shardwise._spec import DTensorSpec, TensorMeta
-from shardwise._tensor._dispatch import _LOCAL_IMPLS
 
-from ..strategy_sim import _terms, assemble_output, check_op, coordinates, default_layouts
+from ..strategy_sim import SimRank, _terms, assemble_output, check_op, coordinates, default_layouts
 
 aten = torch.ops.aten
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
@@ -55,16 +65,6 @@ def seeded(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> to
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-class AtCoordinate(AbstractMesh):
-    """An abstract mesh that knows which rank it is on: what a local impl reads."""
-
-    __slots__ = ("_coordinate",)
-
-    def __init__(self, shape: Sequence[int], coordinate: tuple[int, ...]) -> None:
-        super().__init__(shape)
-        self._coordinate = coordinate
-
 
 def _lay(x: Any) -> Layout:
     return x if isinstance(x, Layout) else Layout(tuple(x))
@@ -122,7 +122,8 @@ def run_local_impl(op: Any, args: Sequence[Any], kwargs: Optional[dict[str, Any]
     mesh = AbstractMesh(tuple(mesh_shape))
     schema, flat = build_schema(op, args, kwargs, mesh, [_lay(x) for x in layouts])
     chosen = propagate(schema)
-    impl = _LOCAL_IMPLS[op]
+    impl = rule_for(op).local
+    assert impl is not None, f"{op} has no local implementation"
     current = schema.input_specs()
     wanted = [t if t is not None else c for t, c in zip(chosen.input_specs, current)]
     terms = [_terms(full, mesh_shape, Layout(s.placements, s.shard_order), seed + k) for k, (full, s) in enumerate(zip(flat, wanted))]
@@ -133,13 +134,7 @@ def run_local_impl(op: Any, args: Sequence[Any], kwargs: Optional[dict[str, Any]
         local = _localize(list(args) + list(kwargs.values()), pieces)
         largs, lkw = local[: len(args)], dict(zip(kwargs, local[len(args):]))
         lkw.update({k: (v() if callable(v) else v) for k, v in (local_kwargs or {}).items()})
-        at = AtCoordinate(mesh_shape, c)
-
-        def here(s: Any) -> Any:
-            return None if s is None else DTensorSpec(at, s.placements, s.tensor_meta, s.shard_order)
-
-        out_here = tuple(here(s) for s in outs) if isinstance(outs, tuple) else here(outs)
-        per_rank[c] = impl(op, largs, lkw, out_here)
+        per_rank[c] = impl(LocalCall(op, largs, lkw, tuple(wanted), outs, SimRank(c)))
     if isinstance(outs, tuple):
         return tuple(assemble_output({c: r[i] for c, r in per_rank.items()}, mesh_shape, Layout(s.placements))
                      for i, s in enumerate(outs)), chosen
@@ -387,19 +382,8 @@ def test_random_ops_on_a_partial_self_write_each_value_once() -> None:
         torch.testing.assert_close(got, ref)
 
 
-@pytest.fixture
-def factory_native_dropout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Route native_dropout to this family's strategy (`_nn.py` registers a rival one that
-    reduces Partial inputs; the integrator keeps one), with a fresh propagation cache."""
-    from shardwise._ops import _factory, _propagate, _registry
-
-    monkeypatch.setitem(_registry._STRATEGIES, aten.native_dropout.default, _factory.native_dropout_strategy)
-    monkeypatch.setattr(_propagate, "_CACHE", {})
-
-
 @pytest.mark.parametrize("mesh_shape", MESHES)
 @pytest.mark.parametrize("p", [0.0, 0.4, 1.0])
-@pytest.mark.usefixtures("factory_native_dropout")
 def test_native_dropout_is_placement_invariant_and_keeps_partial_inputs(mesh_shape: tuple[int, ...], p: float) -> None:
     x = seeded(9, 5)
     reference = None

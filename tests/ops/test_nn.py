@@ -19,28 +19,20 @@ import torch.nn.functional as F
 import shardwise._ops._nn as nn_ops
 from shardwise import AbstractMesh, Partial, Placement, Replicate, Shard
 from shardwise._layout import contiguous_strides
-from shardwise._ops import Layout, OpSchema, OpStrategy, PlacementStrategy, get_op_strategy, propagate
+from shardwise._ops import Layout, LocalCall, LocalFn, OpSchema, OpStrategy, PlacementStrategy, get_op_strategy, propagate, rule_for
 from shardwise._spec import DTensorSpec, TensorMeta
 
-from ..strategy_sim import _terms, assemble_output, coordinates, default_layouts
+from ..strategy_sim import SimRank, _terms, assemble_output, coordinates, default_layouts
 
 aten = torch.ops.aten
 MESHES = [(4,), (2, 2)]
 R = Replicate()
 
-# What the tensor layer runs instead of the aten op (see shardwise._tensor._nn_impls).
-LOCAL: dict[Any, Callable[..., Any]] = {
-    aten.embedding.default: lambda f, a, k, ins, out, c: nn_ops.embedding_local(f, a, k, ins[0], c),
-    aten.embedding_dense_backward.default: lambda f, a, k, ins, out, c: nn_ops.embedding_backward_local(f, a, k, out, c),
-    aten.nll_loss_forward.default: lambda f, a, k, ins, out, c: nn_ops.nll_loss_local(f, a, k, ins[0], ins[1], c),
-    aten.nll_loss2d_forward.default: lambda f, a, k, ins, out, c: nn_ops.nll_loss_local(f, a, k, ins[0], ins[1], c),
+# What runs instead of the aten op on the pieces: each op rule's local implementation.
+LOCAL: dict[Any, Optional[LocalFn]] = {
+    op: rule_for(op).local for op in (aten.embedding.default, aten.embedding_dense_backward.default,
+                                      aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 }
-
-
-@pytest.fixture(autouse=True)
-def masked_local_impls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The strategies offer the masked candidates (as once the tensor layer is imported)."""
-    monkeypatch.setattr(nn_ops, "_MASKED", set(nn_ops.MASKED_LOCAL_OPS))
 
 
 def gen(seed: int) -> torch.Generator:
@@ -107,7 +99,8 @@ def _simulate(op: Any, args: Sequence[Any], kwargs: dict[str, Any], mesh_shape: 
         largs, lkw = list(values[: len(args)]), dict(zip(kwargs, values[len(args):]))
         local = LOCAL.get(op)
         out_spec = out_specs[0] if len(out_specs) == 1 else tuple(out_specs)
-        result = op(*largs, **lkw) if local is None else local(op, largs, lkw, in_specs, out_spec, c)
+        call = LocalCall(op, largs, lkw, tuple(in_specs), out_spec, SimRank(c))
+        result = op(*largs, **lkw) if local is None else local(call)
         per_rank[c] = result if isinstance(result, tuple) else (result,)
     got = tuple(assemble_output({c: r[k] for c, r in per_rank.items()}, mesh_shape, lay) if lay is not None else None
                 for k, lay in enumerate(outs))
@@ -223,25 +216,24 @@ def test_embedding_bag_forward_and_backward(mesh_shape: tuple[int, ...], mode: i
     assert no_moves(got) == splits and got.output_spec[0].placements == (split[0] if splits else (R,) * n)
 
 
-def test_masked_candidates_need_the_tensor_layer(monkeypatch: pytest.MonkeyPatch) -> None:
-    # without the masked local computation a vocab-split lookup would silently read the
-    # wrong rows: the strategy must not offer it
-    monkeypatch.setattr(nn_ops, "_MASKED", set())
+def test_masked_candidates_come_with_their_local_implementations_whatever_is_imported() -> None:
+    # regression: the vocab-split lookup and the split-sample mean loss were offered only once
+    # the tensor layer had registered their masked computations (`_ops` answered differently
+    # depending on imports); the rule now carries its local implementation, so the candidate
+    # and the computation that makes it right always come together
+    for op in (aten.embedding.default, aten.embedding_dense_backward.default, aten.nll_loss_forward.default):
+        assert rule_for(op).local is not None, op
     w, ids = randn(12, 8), randint(12, 4, 6)
     schema = _schema(aten.embedding.default, (w, ids), {}, AbstractMesh((4,)), [Layout((Shard(0),)), Layout((R,))])
-    fn = get_op_strategy(aten.embedding.default)
-    assert fn is not None
-    strategy = fn(schema)
+    strategy = rule_for(aten.embedding.default).strategy(schema)  # type: ignore[misc]
     assert isinstance(strategy, OpStrategy)
-    assert all(c.input_specs[0] != Layout((Shard(0),)) for c in strategy.strategies)
+    assert any(c.input_specs[0] == Layout((Shard(0),)) for c in strategy.strategies)
     lp, t = randn(8, 5), randint(5, 8)
     schema = _schema(aten.nll_loss_forward.default, (lp, t, None, 1, -100), {}, AbstractMesh((4,)),
                      [Layout((Shard(0),)), Layout((Shard(0),))])
-    fn = get_op_strategy(aten.nll_loss_forward.default)
-    assert fn is not None
-    strategy = fn(schema)
+    strategy = rule_for(aten.nll_loss_forward.default).strategy(schema)  # type: ignore[misc]
     assert isinstance(strategy, OpStrategy)
-    assert all(c.input_specs[0] != Layout((Shard(0),)) for c in strategy.strategies)
+    assert any(c.input_specs[0] == Layout((Shard(0),)) for c in strategy.strategies)
 
 
 # -- nll_loss -----------------------------------------------------------------------------------

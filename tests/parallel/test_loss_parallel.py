@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise import DTensor, Partial, Placement, Replicate, Shard
-from shardwise._ops import _loss_parallel, strategy_calls
+from shardwise._ops import _loss_parallel, active_modes, strategy_calls
 from shardwise.parallel import loss_parallel
 from shardwise.testing import distributed
 
@@ -204,16 +204,16 @@ def test_outside_the_block_the_same_call_plans_as_before_and_stays_right() -> No
         inside, layout_inside = loss_and_layout()
         with loss_parallel():  # nested: the outer block owns the mode
             nested, _ = loss_and_layout()
-        assert _loss_parallel.loss_parallel_enabled()
+        assert _loss_parallel.LOSS_PARALLEL in active_modes()
         again_inside, layout_again = loss_and_layout()
     after, layout_after = loss_and_layout()
-    assert not _loss_parallel.loss_parallel_enabled()
+    assert _loss_parallel.LOSS_PARALLEL not in active_modes()
     for what, got in [("before", before), ("inside", inside), ("nested", nested), ("again", again_inside),
                       ("after", after)]:
         torch.testing.assert_close(got, want, **TOL, msg=what)
     assert layout_inside == layout_again == (Shard(1),)
     assert layout_before == layout_after and Shard(1) not in layout_before, (layout_before, layout_after)
-    # another round plans nothing: each mode's plans were set aside, not thrown away
+    # another round plans nothing: the mode is part of the cache keys, nothing was thrown away
     calls = strategy_calls()
     with loss_parallel():
         assert loss_and_layout()[1] == (Shard(1),)
@@ -234,7 +234,7 @@ def test_outside_the_block_the_same_call_plans_as_before_and_stays_right() -> No
     bad = sw.distribute_tensor(torch.tensor([0, 10, 2, 3, 4, 5, 6, 7]), mesh, [R])
     with loss_parallel(), pytest.raises(ValueError, match=r"targets \[10\] out of range for 10 classes"):
         F.cross_entropy(sw.distribute_tensor(logits_full, mesh, [Shard(1)]), bad)
-    assert not _loss_parallel.loss_parallel_enabled()
+    assert _loss_parallel.LOSS_PARALLEL not in active_modes()
 
 
 def test_loss_parallel_planning_doctests_pass() -> None:
@@ -243,10 +243,10 @@ def test_loss_parallel_planning_doctests_pass() -> None:
 
 
 def test_the_mode_is_off_by_default_and_restored_after_an_error() -> None:
-    assert not _loss_parallel.loss_parallel_enabled()
+    assert _loss_parallel.LOSS_PARALLEL not in active_modes()
     with pytest.raises(KeyError):
         with loss_parallel():
-            assert _loss_parallel.loss_parallel_enabled()
+            assert _loss_parallel.LOSS_PARALLEL in active_modes()
             raise KeyError("boom")
-    assert not _loss_parallel.loss_parallel_enabled()
+    assert _loss_parallel.LOSS_PARALLEL not in active_modes()
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
+from shardwise._layout import Layout
 from shardwise import AbstractMesh, DTensor, Replicate, Shard
 from shardwise.parallel import (
     ColwiseParallel,
@@ -92,12 +93,12 @@ def test_patterns_match_atom_by_atom() -> None:
 
 def test_partition_specs_map_to_placements_and_split_order() -> None:
     mesh = AbstractMesh((2, 2), ("dp", "tp"))
-    assert _plan.layout_to_placements((None, "tp"), mesh, 2) == ((Replicate(), Shard(1)), ())
-    assert _plan.layout_to_placements((("dp", "tp"),), mesh, 2) == ((Shard(0), Shard(0)), ())
-    assert _plan.layout_to_placements((("tp", "dp"),), mesh, 2) == ((Shard(0), Shard(0)), ((0, (1, 0)),))
-    assert _plan.layout_to_placements((), mesh, 3) == ((Replicate(), Replicate()), ())
+    assert _plan.to_layout((None, "tp"), mesh, 2) == Layout((Replicate(), Shard(1)))
+    assert _plan.to_layout((("dp", "tp"),), mesh, 2) == Layout((Shard(0), Shard(0)))
+    assert _plan.to_layout((("tp", "dp"),), mesh, 2) == Layout((Shard(0), Shard(0)), ((0, (1, 0)),))
+    assert _plan.to_layout((), mesh, 3) == Layout((Replicate(), Replicate()))
     with pytest.raises(ValueError, match="uses mesh dim 'tp' for tensor dims 0 and 1"):
-        _plan.layout_to_placements(("tp", "tp"), mesh, 2)
+        _plan.to_layout(("tp", "tp"), mesh, 2)
 
 
 def test_plan_module_doctests_pass() -> None:

@@ -1,12 +1,26 @@
-"""Op sharding strategies: schema types, the registry, the propagator and one module per op family."""
+"""Op rules: schema types, the one registry, the propagator and one module per op family.
 
-# Importing a family module registers its strategies; later modules override earlier ones.
-from . import _pointwise  # noqa: F401
-from . import _conv, _factory, _foreach, _index, _matmul, _nn, _norm, _reduction, _shape, _view  # noqa: F401
-from . import _fft, _linalg, _loss, _misc, _spatial  # noqa: F401
-from . import _loss_parallel  # noqa: F401  (last: wraps the log_softmax / nll_loss strategies)
-from ._propagate import RELAYOUT_OPS, REPLICATED_OPS, is_strict, propagate, redistribute_cost, set_strict, strategy_calls
-from ._registry import get_op_strategy, register_op_strategy, registered_ops
+Importing a family module registers its rules; each overload has exactly one rule (per
+mode), so the order the families are imported in never changes an answer.
+"""
+
+from . import _conv, _embedding, _factory, _foreach, _index, _matmul, _nll, _nn, _norm, _pointwise  # noqa: F401
+from . import _fft, _linalg, _loss, _loss_parallel, _misc, _reduction, _replicated, _shape, _spatial, _view  # noqa: F401
+from ._local import LocalCall, LocalFn, Runtime
+from ._propagate import is_strict, propagate, redistribute_cost, set_strict, strategy_calls
+from ._registry import (
+    ACTIVE_MODES,
+    OpKind,
+    OpRule,
+    active_modes,
+    get_op_strategy,
+    op_mode,
+    register_op_kind,
+    register_op_strategy,
+    registered_ops,
+    registered_rules,
+    rule_for,
+)
 from ._schema import (
     Layout,
     OpSchema,
@@ -20,23 +34,32 @@ from ._schema import (
 from ._utils import expand_to_mesh
 
 __all__ = [
+    "ACTIVE_MODES",
     "Layout",
+    "LocalCall",
+    "LocalFn",
+    "OpKind",
+    "OpRule",
     "OpSchema",
     "OpStrategy",
     "OutputSharding",
     "PlacementStrategy",
+    "Runtime",
     "ScalarTensor",
     "StrategyType",
     "TupleStrategy",
+    "active_modes",
     "expand_to_mesh",
     "get_op_strategy",
     "is_strict",
-    "RELAYOUT_OPS",
-    "REPLICATED_OPS",
+    "op_mode",
     "propagate",
     "redistribute_cost",
+    "register_op_kind",
     "register_op_strategy",
     "registered_ops",
+    "registered_rules",
+    "rule_for",
     "set_strict",
     "strategy_calls",
 ]

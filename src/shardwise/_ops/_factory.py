@@ -14,8 +14,8 @@ takes the input's layout and each rank makes only its piece. What changes is Par
 | `native_dropout` | output kept Partial (x * mask / (1-p) is linear in x), mask Replicate |
 
 `new_*` with a size other than the input's shape has no layout to follow: it is Replicate.
-Random values come from the placement-invariant generator (`_tensor/_random_ops.py`), so
-the layout chosen here never changes them.
+Random values come from the placement-invariant generator: the local implementations in
+`_random` (each registration below names them), so the layout chosen here never changes them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec
 from ._pointwise import pointwise_strategy
-from ._registry import register_op_strategy
+from ._random import RANDOM_LOCAL
+from ._registry import OpKind, register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
 from ._utils import current, input_spec, replicate
 
@@ -79,7 +80,7 @@ def zero_like_strategy(schema: OpSchema) -> OpStrategy:
     return OpStrategy([PlacementStrategy(current(spec), _others_replicated(schema, None))])
 
 
-@register_op_strategy(_VALUE_LIKE)
+@register_op_strategy(_VALUE_LIKE, local=RANDOM_LOCAL)
 def value_like_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     return OpStrategy([PlacementStrategy(_without_partial(spec), _others_replicated(schema, None))])
@@ -103,13 +104,13 @@ def new_empty_strided_strategy(schema: OpSchema) -> OpStrategy:
     return OpStrategy([PlacementStrategy(replicate(schema.mesh.ndim), (None,))])
 
 
-@register_op_strategy(INPLACE_FILL_OPS)
+@register_op_strategy(INPLACE_FILL_OPS, local=RANDOM_LOCAL)
 def inplace_fill_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     return OpStrategy([PlacementStrategy(current(spec), _others_replicated(schema, None))])
 
 
-@register_op_strategy(aten.bernoulli.default)
+@register_op_strategy(aten.bernoulli.default, local=RANDOM_LOCAL)
 def bernoulli_strategy(schema: OpSchema) -> OpStrategy:
     """bernoulli(probs): shards pass through, Partial probabilities are reduced first."""
     lay = _without_partial(input_spec(schema))
@@ -132,7 +133,7 @@ def _follow(self_spec: DTensorSpec, other: DTensorSpec) -> Layout:
     return Layout(tuple(out), order)
 
 
-@register_op_strategy(aten.bernoulli_.Tensor)
+@register_op_strategy(aten.bernoulli_.Tensor, local=RANDOM_LOCAL)
 def bernoulli_tensor_strategy(schema: OpSchema) -> OpStrategy:
     """bernoulli_(self, p): self keeps its layout, the probabilities follow self's shards."""
     spec = input_spec(schema)
@@ -143,7 +144,7 @@ def bernoulli_tensor_strategy(schema: OpSchema) -> OpStrategy:
     return OpStrategy([PlacementStrategy(current(spec), ins)])
 
 
-@register_op_strategy(aten.native_dropout.default)
+@register_op_strategy(aten.native_dropout.default, local=RANDOM_LOCAL)
 def native_dropout_strategy(schema: OpSchema) -> OpStrategy:
     """Per mesh dim: a shard gives shards of output and mask; a Partial stays Partial in the
     output (scaling by a nonnegative mask is linear and monotone) with the mask replicated.
@@ -162,4 +163,4 @@ def native_dropout_strategy(schema: OpSchema) -> OpStrategy:
 # normal(mean, std) with tensor arguments: elementwise in mean and std (the draws come from the
 # placement-invariant generator at the output's global indices), so it shards like a pointwise op;
 # it is not linear in a Partial mean or std, which the pointwise rules already reduce.
-register_op_strategy(aten.normal.Tensor_Tensor)(pointwise_strategy)
+register_op_strategy(aten.normal.Tensor_Tensor, kind=OpKind.POINTWISE, local=RANDOM_LOCAL)(pointwise_strategy)

@@ -34,7 +34,7 @@ import torch
 
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
-from ._index import Args, Option, broadcast_shards, combine
+from ._args import Args, Option, broadcast_shards, combine
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
 from ._utils import normalize_dim

@@ -27,7 +27,7 @@ import torch
 from .._layout import contiguous_strides
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
-from ._index import Args, Option, broadcast_shards, combine
+from ._args import Args, Option, broadcast_shards, combine
 from ._reduction import pieces_fit, reduction_strategy
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy

@@ -4,8 +4,8 @@ offered only while `shardwise.parallel.loss_parallel()` is on.
 A cross entropy over a vocabulary split across ranks needs no gathered logits: the row
 max and the row sum of exponentials combine over the ranks that split the row, and each
 target's log-probability lives on exactly one of them. Those candidates need local
-computations that talk to other ranks, which the tensor layer runs
-(`shardwise._tensor._loss_parallel_impls`); here they are only described.
+computations that reduce across ranks (`_loss_parallel_local`, through the runtime the
+tensor layer gives them).
 
 | op | class dim split on a mesh dim gives | the local computation |
 |---|---|---|
@@ -17,11 +17,10 @@ computations that talk to other ranks, which the tensor layer runs
 | nll_loss(2d)_backward | S(class dim) | each rank scatters into its class range only |
 
 Class weights are split like the classes (Shard(0) on those mesh dims); other mesh dims
-may split the samples as the ordinary strategies do. The candidates are added to the
-ops' ordinary strategies, which this module wraps, and only while the mode is on: outside
-`loss_parallel()` every op plans exactly as before. The propagation cache keys on op and
-specs, not on the mode, so switching the mode sets aside what it cached for these ops and
-brings back what was set aside under the other mode.
+may split the samples as the ordinary strategies do. These rules are the ops' variants for
+the mode `LOSS_PARALLEL` (`op_mode`): the ordinary candidates plus the class-split ones,
+with plain targets counted as replicated, as in torch. Outside the mode every op plans
+exactly as before; the mode is part of the cache keys.
 
 >>> from shardwise import AbstractMesh
 >>> from shardwise._ops import propagate
@@ -32,10 +31,9 @@ brings back what was set aside under the other mode.
 ...     return ("as is" if r.input_specs[0] is None else r.input_specs[0].layout_str()) + " -> " + r.output_spec.layout_str()
 >>> plan(aten._log_softmax.default, 1, False)  # ordinarily the class dim must be whole
 '(S(0)) -> (S(0))'
->>> set_loss_parallel(True)
->>> plan(aten._log_softmax.default, 1, False)
+>>> with op_mode(LOSS_PARALLEL):
+...     plan(aten._log_softmax.default, 1, False)
 'as is -> (S(1))'
->>> set_loss_parallel(False)
 """
 
 from __future__ import annotations
@@ -47,19 +45,20 @@ import torch
 
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec
-from . import _nn, _norm, _propagate  # noqa: F401  (_nn, _norm: the strategies wrapped here are registered first)
-from ._index import Args, Option, combine
+from ._args import Args, Option, combine
+from ._loss_parallel_local import LOSS_PARALLEL_LOCAL, class_dim
 from ._reduction import build_strategy
-from ._registry import StrategyFn, get_op_strategy, register_op_strategy
-from ._schema import Layout, OpSchema, OpStrategy, OutputSharding, PlacementStrategy, StrategyType
+from ._registry import StrategyFn, get_op_strategy, op_mode, register_op_strategy
+from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy, StrategyType
 from ._utils import normalize_dim
 
-__all__ = ["LOSS_PARALLEL_OPS", "set_loss_parallel", "loss_parallel_enabled", "class_dim"]
+__all__ = ["LOSS_PARALLEL", "LOSS_PARALLEL_OPS", "class_dim"]
 
 aten = torch.ops.aten
 R = Replicate()
 SUM = Partial("sum")
 _NONE, _MEAN, _SUM = 0, 1, 2
+LOSS_PARALLEL = "loss_parallel"  # the mode's name (`op_mode(LOSS_PARALLEL)`)
 
 _LOG_SOFTMAX = (aten._log_softmax.default,)
 _LOG_SOFTMAX_BACKWARD = (aten._log_softmax_backward_data.default,)
@@ -67,60 +66,26 @@ _NLL = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 _NLL_BACKWARD = (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
 LOSS_PARALLEL_OPS = _LOG_SOFTMAX + _LOG_SOFTMAX_BACKWARD + _NLL + _NLL_BACKWARD
 
-_ON = [False]
-# The propagation cached for these ops under the mode that is off, put aside until it is
-# back on: a training step that enters and leaves the mode plans them once, not every step.
-_SET_ASIDE: dict[bool, dict[OpSchema, OutputSharding]] = {False: {}, True: {}}
 
-
-def loss_parallel_enabled() -> bool:
-    return _ON[0]
-
-
-def set_loss_parallel(on: bool) -> None:
-    """Offer (or stop offering) the class-split candidates; the propagation cached for these
-    ops under one mode is never used under the other."""
-    on = bool(on)
-    if on == _ON[0]:
-        return
-    cache = _propagate._CACHE
-    leaving = {s: r for s, r in cache.items() if s.op in LOSS_PARALLEL_OPS}
-    for schema in leaving:
-        del cache[schema]
-    _SET_ASIDE[_ON[0]] = leaving
-    cache.update(_SET_ASIDE[on])
-    _SET_ASIDE[on] = {}
-    _ON[0] = on
-
-
-def class_dim(ndim: int) -> int:
-    """The class dim of nll_loss's input: 1, or 0 for a single sample of shape (C,)."""
-    return 1 if ndim >= 2 else 0
-
-
-# -- wrapping the ordinary strategies ----------------------------------------------------------
-
-_BASE: dict[Any, StrategyFn] = {}
+# -- the variants: the base rule's candidates plus the class-split ones ----------------------
 
 
 def _extends(ops: Sequence[Any]) -> Callable[[Callable[[OpSchema], list[PlacementStrategy]]], StrategyFn]:
-    """Register, for `ops`, their current strategy plus, while the mode is on, the candidates
-    the decorated function returns."""
+    """Register, for `ops` under `LOSS_PARALLEL`, their base strategy's candidates (looked up
+    when the strategy runs, so import order never matters) plus the decorated function's."""
 
     def wrap(extra: Callable[[OpSchema], list[PlacementStrategy]]) -> StrategyFn:
-        for op in ops:
-            base = get_op_strategy(op)
-            if base is None:
-                raise LookupError(f"loss parallel extends the strategy of {op}, which has none registered")
-            _BASE[op] = base
-
         def strategy(schema: OpSchema) -> StrategyType:
-            base = _BASE[schema.op](schema)
-            if not _ON[0] or not isinstance(base, OpStrategy):
+            base_fn = get_op_strategy(schema.op)
+            if base_fn is None:
+                raise LookupError(f"loss parallel extends the strategy of {schema.op}, which has none registered")
+            base = base_fn(schema)
+            if not isinstance(base, OpStrategy):
                 return base
             return OpStrategy(base.strategies + extra(schema))
 
-        register_op_strategy(list(ops))(strategy)
+        register_op_strategy(list(ops), mode=LOSS_PARALLEL, local=LOSS_PARALLEL_LOCAL,
+                             plain_as_replicated=True)(strategy)
         return strategy
 
     return wrap

@@ -32,7 +32,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .._placement import Shard
-from ._index import Args, Option, broadcast_shards, combine, scatter_options
+from ._args import Args, Option, broadcast_shards, combine
+from ._index import scatter_options
 from ._nn import without_empty_pieces
 from ._norm import _softmax_strategy
 from ._pointwise import pointwise_strategy

@@ -1,12 +1,9 @@
-"""Strategies for NN ops: embedding, nll_loss, CPU flash attention, dropout and pooling,
-forward and backward, plus the masked local computations a vocab-sharded embedding and a
-batch-sharded mean loss need.
+"""Strategies for NN ops: CPU flash attention, dropout's backward, pooling and the
+activations aten leaves untagged, forward and backward (embedding lives in `_embedding`,
+nll_loss in `_nll`).
 
 | op | runs split by | output |
 |---|---|---|
-| embedding | ids (weight R) / embedding dim (weight S(1)) / vocab (weight S(0), ids R) | ids' split / S(last) / P(sum) |
-| embedding_dense_backward | ids + grad / grad's last dim / nothing (vocab) | P(sum) / S(1) / S(0) |
-| nll_loss(2d)_forward | samples (self and target alike) | none: split like target; sum: P(sum); mean: P(sum), target R |
 | flash attention (CPU) | batch, heads; query rows when not causal | split alike; the key/value grads of split query rows are P(sum) |
 | native_dropout_backward | any dim (the forward's strategy lives with the random ops) | split alike |
 | pooling | batch and channel dims (spatial dims whole) | split alike; avg pools keep P(sum)/P(avg) |
@@ -15,274 +12,26 @@ batch-sharded mean loss need.
 SDPA reaches the CPU flash kernel only without dropout (with dropout it decomposes to the
 math path), and the kernel refuses empty head or row pieces, so candidates that would give a
 rank one are dropped; the pooling kernels likewise refuse an empty channel piece.
-
-Three candidates cannot be run as the plain aten op on the local pieces, because ids and
-targets are global while the rank holds a slice: a vocab-sharded lookup masks the ids
-outside the rank's vocab rows (`embedding_local`), its backward accumulates only those rows
-(`embedding_backward_local`), and a mean loss over split samples divides the local sum by
-the total weight of all samples (`nll_loss_local`). The tensor layer runs these in place of
-the aten op and says so with `use_masked_local`; until it has, those candidates are not
-offered, so an op never runs a computation that would be silently wrong.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
-from ._index import Args, Option, broadcast_shards, combine
-from ._reduction import pieces_fit
+from ._args import Args, Option, broadcast_shards, combine, linear_partial
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy
 
-__all__ = [
-    "MASKED_LOCAL_OPS",
-    "use_masked_local",
-    "embedding_local",
-    "embedding_backward_local",
-    "nll_loss_local",
-]
+__all__ = ["without_empty_pieces"]
 
 aten = torch.ops.aten
 R = Replicate()
 SUM = Partial("sum")
-_LINEAR = ("sum", "avg")  # Partials a linear op keeps
-
-# Ops with candidates that need a masked local computation instead of the aten op.
-MASKED_LOCAL_OPS = (
-    aten.embedding.default,
-    aten.embedding_dense_backward.default,
-    aten.nll_loss_forward.default,
-    aten.nll_loss2d_forward.default,
-)
-_MASKED: set[Any] = set()
-
-
-def use_masked_local(ops: Iterable[Any]) -> None:
-    """Declare that the tensor layer runs the masked local computation for these ops."""
-    _MASKED.update(ops)
-
-
-def _masked(op: Any) -> bool:
-    return op in _MASKED
-
-
-def _linear_partial(a: Args, name: str, i: int) -> Optional[Partial]:
-    p = a.partial(name, i)
-    return p if p is not None and p.reduce_op in _LINEAR else None
-
-
-# -- embedding ---------------------------------------------------------------------------------
-
-
-@register_op_strategy(aten.embedding.default)
-def _embedding_strategy(schema: OpSchema) -> OpStrategy:
-    a = Args(schema)
-    ids = a.spec("indices")
-    out_ndim = len(schema.output_meta().shape)
-    per_dim = []
-    for i in range(a.mesh_ndim):
-        opts = [a.opt((Shard(k),), {"indices": Shard(k)}) for k in range(ids.ndim if ids is not None else 0)]
-        opts.append(a.opt((Shard(out_ndim - 1),), {"weight": Shard(1)}))
-        if _masked(schema.op):
-            opts.append(a.opt((SUM,), {"weight": Shard(0)}))  # each rank looks up its vocab rows
-        p = a.partial("weight", i)
-        if p is not None:
-            opts.append(a.opt((p,), {"weight": p}))  # a lookup selects: every Partial survives
-        per_dim.append(opts)
-    return combine(a, per_dim)
-
-
-@register_op_strategy(aten.embedding_dense_backward.default)
-def _embedding_backward_strategy(schema: OpSchema) -> OpStrategy:
-    a = Args(schema)
-    grad = a.need("grad_output")
-    ids = a.spec("indices")
-    by_freq = bool(schema.arg(4, "scale_grad_by_freq", False))
-    per_dim = []
-    for i in range(a.mesh_ndim):
-        opts = []
-        # The weight is not an input here, so its layout is guessed from the gradient's: a
-        # replicated gradient is what a vocab-split lookup (P(sum) output) gets back, so it
-        # lands on vocab rows; any split of it is kept as it is.
-        vocab = _masked(schema.op)
-        if not (vocab and isinstance(grad.placements[i], Replicate)):
-            if ids is not None and not by_freq:  # frequencies must count every id, not a share
-                opts += [a.opt((SUM,), {"grad_output": Shard(k), "indices": Shard(k)}) for k in range(ids.ndim)]
-            opts.append(a.opt((Shard(1),), {"grad_output": Shard(grad.ndim - 1)}))
-        if vocab:
-            opts.append(a.opt((Shard(0),), {}))  # each rank accumulates its own vocab rows
-        p = _linear_partial(a, "grad_output", i)
-        if p is not None:
-            opts.append(a.opt((p,), {"grad_output": p}))
-        per_dim.append(opts)
-    return combine(a, per_dim)
-
-
-def _rows(spec: DTensorSpec, coordinate: Sequence[int]) -> tuple[int, int]:
-    """(first row, row count) of dim 0 held at `coordinate`."""
-    shape, offset = spec.local_shape_and_offset(coordinate)
-    return offset[0], shape[0]
-
-
-def embedding_local(
-    func: Any, args: Sequence[Any], kwargs: dict[str, Any], weight_spec: DTensorSpec, coordinate: Sequence[int]
-) -> torch.Tensor:
-    """`aten.embedding` on one rank's weight piece with global ids: where the piece holds only
-    rows [start, start + n) of the vocab, ids outside it read zeros (the other ranks' terms of
-    the P(sum) output supply them)."""
-    weight, ids = args[0], args[1]
-    start, n = _rows(weight_spec, coordinate)
-    if n == weight_spec.shape[0]:
-        return func(*args, **kwargs)  # type: ignore[no-any-return]
-    inside = (ids >= start) & (ids < start + n)
-    if n == 0:
-        return weight.new_zeros((*ids.shape, weight.shape[1]))  # type: ignore[no-any-return]
-    out = func(weight, torch.where(inside, ids - start, 0), *args[2:], **kwargs)  # (*ids, D)
-    return out.masked_fill(~inside.unsqueeze(-1), 0)  # type: ignore[no-any-return]
-
-
-def embedding_backward_local(
-    func: Any, args: Sequence[Any], kwargs: dict[str, Any], out_spec: DTensorSpec, coordinate: Sequence[int]
-) -> torch.Tensor:
-    """`aten.embedding_dense_backward` for one rank's rows [start, start + n) of the weight
-    gradient: ids outside them go to a spare row that is dropped."""
-    grad, ids, num_weights, padding_idx, by_freq = args[:5]
-    start, n = _rows(out_spec, coordinate)
-    if n == num_weights:
-        return func(*args, **kwargs)  # type: ignore[no-any-return]
-    inside = (ids >= start) & (ids < start + n)
-    local = torch.where(inside, ids - start, n)
-    pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + n else -1
-    return func(grad, local, n + 1, pad, by_freq)[:n]  # type: ignore[no-any-return]
-
-
-# -- embedding_bag -----------------------------------------------------------------------------
-# Outputs (out, offset2bag, bag_size, max_indices): with the weight split by columns each
-# rank pools its columns of every bag; which rows a bag reads, and its max row per column,
-# do not depend on the split, so the index outputs come out the same on every rank (max
-# mode's max_indices is per column: split like the output).
-
-_EMBEDDING_BAGS = [aten._embedding_bag.default, aten._embedding_bag_forward_only.default]
-
-
-@register_op_strategy(_EMBEDDING_BAGS)
-def _embedding_bag_strategy(schema: OpSchema) -> OpStrategy:
-    a = Args(schema)
-    per_column = len(schema.output_meta()[3].shape) == 2
-    out = (Shard(1), R, R, Shard(1) if per_column else R)
-    return _columns_fit(a, "weight", combine(a, [[a.opt(out, {"weight": Shard(1)})]] * a.mesh_ndim, n_outputs=4))
-
-
-@register_op_strategy([aten._embedding_bag_backward.default, aten._embedding_bag_dense_backward.default])
-def _embedding_bag_backward_strategy(schema: OpSchema) -> OpStrategy:
-    a = Args(schema)
-    per_column = a.need("maximum_indices").ndim == 2
-    ins = {"grad": Shard(1), "maximum_indices": Shard(1)} if per_column else {"grad": Shard(1)}
-    return _columns_fit(a, "grad", combine(a, [[a.opt((Shard(1),), ins)]] * a.mesh_ndim))
-
-
-def _columns_fit(a: Args, name: str, strategy: OpStrategy) -> OpStrategy:
-    """The CPU embedding_bag kernels fail on a rank holding no columns: no such candidate."""
-    spec, k = a.need(name), a.pos(name)
-    assert k is not None
-    kept = [c for c in strategy.strategies
-            if (lay := c.input_specs[k]) is None or pieces_fit(spec, lay, [1], nonempty=True, even=False)]
-    return OpStrategy(kept)
-
-
-# -- nll_loss ----------------------------------------------------------------------------------
-
-_NONE, _MEAN, _SUM = 0, 1, 2
-
-
-def _class_dim(ndim: int) -> int:
-    return 1 if ndim >= 2 else 0
-
-
-def _sample_dims(ndim: int) -> list[tuple[int, int]]:
-    """(self dim, target dim) of every dim but the class dim."""
-    c = _class_dim(ndim)
-    return [(d, d if d < c else d - 1) for d in range(ndim) if d != c]
-
-
-@register_op_strategy([aten.nll_loss_forward.default, aten.nll_loss2d_forward.default])
-def _nll_loss_forward_strategy(schema: OpSchema) -> OpStrategy:
-    # The class dim is whole (a vocab-parallel loss is a different op). Samples may be split:
-    # none -> each rank its losses; sum -> P(sum) of loss and total weight; mean -> the
-    # masked local computation divides by the total weight of all samples (target R).
-    a = Args(schema)
-    me = a.need("self")
-    reduction = int(schema.arg(3, "reduction", _MEAN))
-    per_dim = []
-    for i in range(a.mesh_ndim):
-        opts: list[Option] = []
-        for d, t in _sample_dims(me.ndim):
-            if reduction == _NONE:
-                opts.append(a.opt((Shard(t), R), {"self": Shard(d), "target": Shard(t)}))
-            elif reduction == _SUM:
-                opts.append(a.opt((SUM, SUM), {"self": Shard(d), "target": Shard(t)}))
-            elif _masked(schema.op):
-                opts.append(a.opt((SUM, R), {"self": Shard(d)}))
-        p = _linear_partial(a, "self", i)
-        if p is not None:
-            opts.append(a.opt((p, R), {"self": p}))  # linear in the log-probabilities
-        per_dim.append(opts)
-    return combine(a, per_dim, n_outputs=2)
-
-
-@register_op_strategy([aten.nll_loss_backward.default, aten.nll_loss2d_backward.default])
-def _nll_loss_backward_strategy(schema: OpSchema) -> OpStrategy:
-    a = Args(schema)
-    me = a.need("self")
-    reduction = int(schema.arg(4, "reduction", _MEAN))
-    per_dim = []
-    for i in range(a.mesh_ndim):
-        opts: list[Option] = []
-        for d, t in _sample_dims(me.ndim):
-            ins: dict[str, Placement] = {"self": Shard(d), "target": Shard(t)}
-            if reduction == _NONE:
-                ins["grad_output"] = Shard(t)
-            opts.append(a.opt((Shard(d),), ins))  # a mean divides by the (replicated) total weight
-        p = _linear_partial(a, "grad_output", i)
-        if p is not None:
-            opts.append(a.opt((p,), {"grad_output": p, "self": a.shape_only("self", i)}))
-        per_dim.append(opts)
-    tw = a.pos("total_weight")
-    free = [tw] if tw is not None and reduction != _MEAN else []  # read only by a mean
-    return combine(a, per_dim, free=free)
-
-
-def _total_weight(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
-    keep = target != ignore_index
-    if weight is None:
-        return keep.sum().to(dtype)
-    return (weight[torch.where(keep, target, 0)] * keep).sum().to(dtype)
-
-
-def nll_loss_local(
-    func: Any, args: Sequence[Any], kwargs: dict[str, Any], self_spec: DTensorSpec, target_spec: DTensorSpec,
-    coordinate: Sequence[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`aten.nll_loss(2d)_forward` on one rank's samples. For a mean over samples split across
-    ranks while the target is whole: this rank's share of the loss sum divided by the total
-    weight of every sample, so the P(sum) of the outputs is the global mean."""
-    me, target, weight, reduction, ignore_index = args[:5]
-    shape, offset = self_spec.local_shape_and_offset(coordinate)
-    dims = _sample_dims(self_spec.ndim)
-    whole_target = tuple(target.shape) == tuple(target_spec.shape)
-    if reduction != _MEAN or not whole_target or all(shape[d] == self_spec.shape[d] for d, _ in dims):
-        return func(*args, **kwargs)  # type: ignore[no-any-return]
-    piece = target
-    for d, t in dims:
-        piece = piece.narrow(t, offset[d], shape[d])
-    part, _ = func(me, piece, weight, _SUM, ignore_index)
-    total = _total_weight(target, weight, ignore_index, me.dtype)
-    return part / total, total
 
 
 # -- attention (CPU flash kernel) ----------------------------------------------------------------
@@ -316,11 +65,11 @@ def _attention_options(a: Args, q: DTensorSpec, causal: bool, grads: bool, i: in
         outs = (Shard(n - 2), SUM, SUM) if grads else (Shard(n - 2), Shard(n - 2))
         opts.append(a.opt(outs, ins))
     if grads:
-        p = _linear_partial(a, "grad_out", i)
+        p = linear_partial(a, "grad_out", i)
         if p is not None:
             opts.append(a.opt((p, p, p), {"grad_out": p}))  # every gradient is linear in grad_out
     else:
-        p = _linear_partial(a, "value", i)
+        p = linear_partial(a, "value", i)
         if p is not None:
             opts.append(a.opt((p, R), {"value": p}))  # softmax(q k^T) v is linear in v
     return opts
@@ -390,7 +139,7 @@ def _native_dropout_backward_strategy(schema: OpSchema) -> OpStrategy:
     per_dim = []
     for i in range(a.mesh_ndim):
         opts = [a.opt((Shard(d),), {"grad_output": Shard(d), "mask": Shard(d)}) for d in range(g.ndim)]
-        p = _linear_partial(a, "grad_output", i)
+        p = linear_partial(a, "grad_output", i)
         if p is not None:
             opts.append(a.opt((p,), {"grad_output": p}))
         per_dim.append(opts)
@@ -430,7 +179,7 @@ def _pool_strategy(schema: OpSchema) -> OpStrategy:
     per_dim = []
     for i in range(a.mesh_ndim):
         opts = [a.opt((Shard(d),) * n_out, {"self": Shard(d)}) for d in _leading_dims(x, spatial)]
-        p = _linear_partial(a, "self", i)
+        p = linear_partial(a, "self", i)
         if p is not None and not with_indices:
             opts.append(a.opt((p,), {"self": p}))  # an average of windows is linear
         per_dim.append(opts)
@@ -446,7 +195,7 @@ def _pool_backward_strategy(schema: OpSchema) -> OpStrategy:
     for i in range(a.mesh_ndim):
         opts = [a.opt((Shard(d),), {"grad_output": Shard(d), "self": Shard(d), "indices": Shard(d)})
                 for d in _leading_dims(x, spatial)]
-        p = _linear_partial(a, "grad_output", i)
+        p = linear_partial(a, "grad_output", i)
         if p is not None:  # linear in the gradient; self gives only the shape
             opts.append(a.opt((p,), {"grad_output": p, "self": a.shape_only("self", i)}))
         per_dim.append(opts)
@@ -480,7 +229,7 @@ def _activation_strategy(schema: OpSchema) -> OpStrategy:
             # a second output (log_sigmoid's buffer) is split alike when it has the same shape
             extra = tuple(outs[0] if m.shape == shape else R for m in metas[1:])
             opts.append((outs + extra, ins))
-        p = None if grad is None else _linear_partial(a, grad, i)
+        p = None if grad is None else linear_partial(a, grad, i)
         if grad is not None and p is not None:
             opts.append(a.opt((p,), {grad: p}))
         per_dim.append(opts)
@@ -497,7 +246,7 @@ def _glu_strategy(schema: OpSchema) -> OpStrategy:
     per_dim = []
     for i in range(a.mesh_ndim):
         opts = [a.opt((Shard(d),), {"self": Shard(d), "grad_output": Shard(d)}) for d in range(me.ndim) if d != dim]
-        p = _linear_partial(a, "grad_output", i)
+        p = linear_partial(a, "grad_output", i)
         if p is not None:
             opts.append(a.opt((p,), {"grad_output": p}))
         per_dim.append(opts)

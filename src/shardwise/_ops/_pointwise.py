@@ -27,7 +27,7 @@ import torch
 from .._layout import ShardOrder, split_orders
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
-from ._registry import register_op_strategy
+from ._registry import OpKind, register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
 from ._utils import canonical_order, order_like
 
@@ -142,8 +142,18 @@ def _input_order(placements: tuple[Placement, ...], order: ShardOrder, shift: in
                             if d >= shift and sorted(splits.get(d - shift, ())) == sorted(ms)])
 
 
+# Tagged pointwise, but with a rule of their own elsewhere (one rule per op).
+_OWN_RULE = {
+    aten.masked_fill.Scalar,  # _index: a P(sum) survives only a zero fill
+    aten.native_dropout_backward.default,  # _nn: keeps its mask's split
+    aten.alias.default,  # _view
+    aten._conj_physical.default, aten.conj_physical.default, aten.conj_physical_.default,  # _fft
+    aten.equal.default,  # _replicated: one Python bool for the whole tensors
+}
+
+
 def _pointwise_ops() -> list[torch._ops.OpOverload]:
-    """Every registered aten overload tagged pointwise (not random).
+    """Every registered aten overload tagged pointwise (not random), but those with their own rule.
 
     Enumerated from the dispatcher's table, not `dir(torch.ops.aten)`, which lists only the
     ops some code has already looked up (so coverage would depend on import order).
@@ -161,8 +171,8 @@ def _pointwise_ops() -> list[torch._ops.OpOverload]:
         if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags:
             continue
         ops.add(op)
-    return sorted(ops, key=str)
+    return sorted(ops - _OWN_RULE, key=str)
 
 
 POINTWISE_OPS = _pointwise_ops()
-register_op_strategy(POINTWISE_OPS)(pointwise_strategy)
+register_op_strategy(POINTWISE_OPS, kind=OpKind.POINTWISE)(pointwise_strategy)

@@ -1,14 +1,15 @@
 """The propagator: from an op call's input specs to the specs its inputs need and its
-outputs get. It enumerates the op's strategies, prices each by the redistribute planner's
-cost of moving every input to the layout the strategy wants, and keeps the cheapest (ties:
-the one that holds fewer bytes per rank). Results are cached per `OpSchema`.
+outputs get. It enumerates the candidates of the op's rule (`rule_for`, under the modes on
+now), prices each by the cost of the plan that would move every input to the layout it
+wants (`plan_between`, the plan that then runs), and keeps the cheapest (ties: fewer
+Partial outputs, fewer inputs moved, fewer bytes held per rank). Results are cached per
+`OpSchema` and rule (a mode's variant is another rule).
 
 An op without a strategy falls back to running replicated: its inputs are gathered, the
 op runs on every rank, the outputs are `Replicate`; a warning names the op once per
 process, and strict mode (`set_strict(True)` or env `SHARDWISE_STRICT=1`) makes it an error.
-For a few ops replicated execution *is* the strategy (their result is a Python value or has
-a data-dependent shape, so every rank must see the whole input): they run the same way,
-without a warning, in strict mode too.
+For the ops replicated by design (`OpKind.REPLICATED`, see `_replicated`) that *is* the
+strategy: they run the same way, without a warning, in strict mode too.
 """
 
 from __future__ import annotations
@@ -20,46 +21,16 @@ from typing import Any, Optional
 
 import torch
 
+from .._layout import max_local_shape
 from .._placement import Partial, Replicate
-from .._redistribute import plan_redistribute
+from .._redistribute import plan_between
 from .._spec import DTensorSpec, TensorMeta
-from ._registry import get_op_strategy
+from ._registry import OpKind, OpRule, rule_for
 from ._schema import Layout, OpSchema, OpStrategy, OutputSharding, PlacementStrategy, StrategyType, TupleStrategy
 
-__all__ = ["RELAYOUT_OPS", "REPLICATED_OPS", "propagate", "set_strict", "is_strict", "redistribute_cost", "strategy_calls"]
+__all__ = ["propagate", "set_strict", "is_strict", "redistribute_cost", "strategy_calls"]
 
-_CACHE: dict[OpSchema, OutputSharding] = {}
-
-aten = torch.ops.aten
-# Ops whose distributed meaning is "on the whole tensor, on every rank": a Python value
-# (item, equal) or an output whose shape depends on the data (nonzero, unique, masked_select).
-REPLICATED_OPS = frozenset({
-    aten._local_scalar_dense.default, aten.equal.default, aten.allclose.default, aten.is_nonzero.default,
-    aten.nonzero.default, aten.nonzero_static.default, aten.masked_select.default,
-    aten.unique_dim.default, aten._unique2.default, aten.unique_consecutive.default,
-    aten.unique_dim_consecutive.default, aten.histc.default, aten.bincount.default,
-    # histograms whose bin edges come from the data; an order-dependent hash of all elements;
-    # ranges whose endpoints arrive as (replicated) 0-dim tensors
-    aten.histogram.bin_ct, aten.histogram.bins_tensor, aten._histogramdd_bin_edges.default,
-    aten._histogramdd_from_bin_cts.default, aten._histogramdd_from_bin_tensors.default,
-    aten.hash_tensor.default, aten.linspace.Tensor_Scalar, aten.linspace.Tensor_Tensor,
-    aten.linspace.Scalar_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Tensor_Tensor,
-    aten.logspace.Scalar_Tensor,
-    # defined on the storage of a contiguous tensor, not on its elements: only the whole
-    # tensor has that storage
-    aten.as_strided.default, aten.as_strided_.default, aten.as_strided_copy.default,
-    aten.as_strided_scatter.default, aten.resize_.default, aten.resize_as_.default,
-    # draws from torch's generator in an order tied to the whole tensor: every rank makes the
-    # same draws (ranks share torch's RNG state), which equal the single-device ones
-    aten.multinomial.default, aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default,
-})
-# In-place ops that change self's shape or layout (squeeze_, transpose_, resize_): self takes
-# the output's layout instead of having the result moved back into its own.
-RELAYOUT_OPS = frozenset({
-    aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims, aten.unsqueeze_.default,
-    aten.transpose_.default, aten.t_.default, aten.as_strided_.default, aten.resize_.default,
-    aten.resize_as_.default,
-})
+_CACHE: dict[tuple[OpSchema, Optional[str]], OutputSharding] = {}
 _WARNED: set[Any] = set()
 _STRICT = [os.environ.get("SHARDWISE_STRICT", "") not in ("", "0")]
 _CALLS = [0]
@@ -88,11 +59,7 @@ def redistribute_cost(spec: DTensorSpec, target: Optional[Layout], partialize: b
     for have, want in zip(spec.placements, target.placements):
         if isinstance(want, Partial) and want != have and not (partialize and isinstance(have, Replicate)):
             return math.inf
-    plan = plan_redistribute(
-        tuple(spec.mesh.shape), tuple(spec.shape), spec.dtype.itemsize,
-        spec.placements, target.placements, spec.shard_order, target.shard_order,
-    )
-    return plan.cost
+    return plan_between(spec, spec.with_placements(target.placements, target.shard_order)).cost
 
 
 def _as_tuple(meta: Any) -> tuple[Any, ...]:
@@ -101,8 +68,6 @@ def _as_tuple(meta: Any) -> tuple[Any, ...]:
 
 
 def _local_bytes(meta: TensorMeta, mesh_shape: tuple[int, ...], layout: Layout) -> int:
-    from .._layout import max_local_shape
-
     shape = max_local_shape(meta.shape, mesh_shape, layout.placements, layout.shard_order)
     return math.prod(shape) * meta.dtype.itemsize
 
@@ -122,21 +87,18 @@ def _memory(strategy: PlacementStrategy, specs: list[DTensorSpec], out_meta: Any
     return total
 
 
-def _writeback_cost(schema: OpSchema, candidate: PlacementStrategy) -> float:
+def _writeback_cost(schema: OpSchema, rule: OpRule, candidate: PlacementStrategy) -> float:
     """In-place ops: the cost of moving the result back into self's layout, if it differs."""
-    if not schema.is_inplace() or not isinstance(schema.args_schema[0], DTensorSpec) or schema.op in RELAYOUT_OPS:
+    if not schema.is_inplace() or not isinstance(schema.args_schema[0], DTensorSpec) or rule.relayout:
         return 0.0
     me, out = schema.args_schema[0], candidate.output_specs
     if not isinstance(out, Layout) or (out.placements == me.placements and out.shard_order == me.shard_order):
         return 0.0
-    plan = plan_redistribute(
-        tuple(me.mesh.shape), tuple(me.shape), me.dtype.itemsize,
-        out.placements, me.placements, out.shard_order, me.shard_order,
-    )
+    plan = plan_between(me.with_placements(out.placements, out.shard_order), me)
     return plan.cost + 1e-3  # a write-back is a copy even when it moves no bytes
 
 
-def _pick(schema: OpSchema, strategy: OpStrategy, specs: list[DTensorSpec]) -> PlacementStrategy:
+def _pick(schema: OpSchema, rule: OpRule, strategy: OpStrategy, specs: list[DTensorSpec]) -> PlacementStrategy:
     best: Optional[tuple[float, int, int, int, PlacementStrategy]] = None
     for candidate in strategy.strategies:
         if len(candidate.input_specs) != len(specs):
@@ -148,7 +110,7 @@ def _pick(schema: OpSchema, strategy: OpStrategy, specs: list[DTensorSpec]) -> P
             redistribute_cost(s, lay, k in candidate.partialize)
             for k, (s, lay) in enumerate(zip(specs, candidate.input_specs))
         )
-        cost += _writeback_cost(schema, candidate)
+        cost += _writeback_cost(schema, rule, candidate)
         if math.isinf(cost):
             continue
         # ties: fewer Partial outputs (each is a reduction still to pay), then fewer inputs
@@ -182,7 +144,7 @@ def _output(mesh: Any, lay: Any, meta: Any) -> Optional[DTensorSpec]:
     return DTensorSpec(mesh, lay.placements, meta, lay.shard_order)
 
 
-def _choose(schema: OpSchema, strategy: StrategyType) -> OutputSharding:
+def _choose(schema: OpSchema, rule: OpRule, strategy: StrategyType) -> OutputSharding:
     specs = schema.input_specs()
     mesh = specs[0].mesh
     for s in specs[1:]:
@@ -193,7 +155,7 @@ def _choose(schema: OpSchema, strategy: StrategyType) -> OutputSharding:
             )
     out_meta = schema.output_meta()
     if isinstance(strategy, TupleStrategy):
-        chosen = [_pick(schema, child, specs) for child in strategy.childs]
+        chosen = [_pick(schema, rule, child, specs) for child in strategy.childs]
         targets: list[Optional[Layout]] = [None] * len(specs)
         for c in chosen:
             for k, lay in enumerate(c.input_specs):
@@ -204,7 +166,7 @@ def _choose(schema: OpSchema, strategy: StrategyType) -> OutputSharding:
         return OutputSharding(tuple(_target(s, t) for s, t in zip(specs, targets)), outs)
     if not isinstance(strategy, OpStrategy):
         raise TypeError(f"strategy function for {schema.op} returned {type(strategy).__name__}, not an OpStrategy")
-    best = _pick(schema, strategy, specs)
+    best = _pick(schema, rule, strategy, specs)
     inputs = tuple(_target(s, lay) for s, lay in zip(specs, best.input_specs))
     if isinstance(best.output_specs, tuple):
         metas = _as_tuple(out_meta)
@@ -242,18 +204,21 @@ def _fallback(schema: OpSchema, intended: bool = False) -> OutputSharding:
     return OutputSharding(inputs, out, fallback=not intended)
 
 
-def propagate(schema: OpSchema) -> OutputSharding:
-    """The chosen input and output specs for one op call (cached per schema)."""
-    hit = _CACHE.get(schema)
+def propagate(schema: OpSchema, rule: Optional[OpRule] = None) -> OutputSharding:
+    """The chosen input and output specs for one op call, by `rule` (default: the op's rule
+    under the modes on now); cached per schema and rule."""
+    if rule is None:
+        rule = rule_for(schema.op)
+    key = (schema, rule.mode)
+    hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    fn = get_op_strategy(schema.op)
-    if schema.op in REPLICATED_OPS:
+    if rule.kind is OpKind.REPLICATED:
         result = _fallback(schema, intended=True)
-    elif fn is None:
+    elif rule.strategy is None:
         result = _fallback(schema)
     else:
         _CALLS[0] += 1
-        result = _choose(schema, fn(schema))
-    _CACHE[schema] = result
+        result = _choose(schema, rule, rule.strategy(schema))
+    _CACHE[key] = result
     return result

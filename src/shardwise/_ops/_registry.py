@@ -1,45 +1,243 @@
-"""The one registry of op strategies and the decorator that fills it."""
+"""The one registry of op rules: for each aten op overload, how it runs on DTensors.
+
+An `OpRule` is everything shardwise knows about one overload:
+
+| field | meaning |
+|---|---|
+| `kind` | how it runs (`OpKind`, below) |
+| `strategy` | its candidate layouts (`OpSchema -> OpStrategy`; pure) |
+| `local` | a local implementation run on the pieces instead of the aten op (random draws, masked lookups) |
+| `relayout` | an in-place op that gives self a new shape or layout (`squeeze_`): self takes the result's |
+| `plain_as_replicated` | plain tensors mixed with DTensors count as replicated (loss_parallel's targets) |
+| `mode` | the mode this rule is the variant for, or None for the op's base rule |
+
+`register_op_strategy(ops, ...)` is the one decorator that adds rules; `register_op_kind`
+adds rules that have no strategy (replicated by design). Both refuse a second rule for the
+same overload and mode, naming both places. A *mode* (`op_mode("loss_parallel")`) switches
+an op to its variant rule while the mode is on; it is part of every cache key that
+depends on it, never a swap of caches.
+
+An overload nobody registered gets a rule derived once: `DECOMPOSED` when PyTorch has a
+decomposition for it that writes none of its arguments (its pieces have rules), else
+`FALLBACK` (gathered and run replicated, with a warning).
+
+>>> rule_for(torch.ops.aten.mm.default).kind
+<OpKind.SHARDED: 'sharded'>
+>>> rule_for(torch.ops.aten.nonzero.default).kind
+<OpKind.REPLICATED: 'replicated'>
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Optional, Union
+import contextlib
+import enum
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
+from torch._decomp import decomposition_table
 
+from ._local import LocalFn
 from ._schema import OpSchema, StrategyType
 
-__all__ = ["StrategyFn", "register_op_strategy", "get_op_strategy", "registered_ops"]
+__all__ = [
+    "ACTIVE_MODES",
+    "OpKind",
+    "OpRule",
+    "StrategyFn",
+    "active_modes",
+    "get_op_strategy",
+    "op_mode",
+    "register_op_kind",
+    "register_op_strategy",
+    "registered_ops",
+    "rule_for",
+]
 
 OpOverload = torch._ops.OpOverload
 # A strategy function maps an op call (global specs of its inputs, on an abstract or real
 # mesh) to its candidate strategies. Pure: it never talks to processes.
 StrategyFn = Callable[[OpSchema], StrategyType]
 
-_STRATEGIES: dict[OpOverload, StrategyFn] = {}
+
+class OpKind(enum.Enum):
+    """How an op runs on DTensors."""
+
+    SHARDED = "sharded"  # its strategy picks the layouts; it runs on the local pieces
+    POINTWISE = "pointwise"  # SHARDED, elementwise: inputs laid out alike
+    VIEW = "view"  # SHARDED, a view or shape op
+    REPLICATED = "replicated"  # by design: inputs gathered, run whole on every rank, no warning
+    DECOMPOSED = "decomposed"  # no strategy: runs as PyTorch's decomposition, its pieces sharded
+    FALLBACK = "fallback"  # no strategy, no decomposition: gathered, with a warning (strict: error)
 
 
-def register_op_strategy(ops: Union[OpOverload, Iterable[OpOverload]]) -> Callable[[StrategyFn], StrategyFn]:
-    """Register a strategy function for one aten op overload or a list of them::
+@dataclass(frozen=True)
+class OpRule:
+    """What shardwise does with one aten op overload (see the module docstring)."""
 
-        @register_op_strategy([aten.relu.default, aten.gelu.default])
+    op: OpOverload
+    kind: OpKind
+    strategy: Optional[StrategyFn] = None
+    local: Optional[LocalFn] = None
+    relayout: bool = False
+    plain_as_replicated: bool = False
+    mode: Optional[str] = None
+    where: str = ""
+
+    def __str__(self) -> str:
+        extra = [name for name, on in (("local", self.local), ("relayout", self.relayout),
+                                        ("plain as replicated", self.plain_as_replicated)) if on]
+        mode = f" under {self.mode}" if self.mode else ""
+        return f"{self.op}{mode}: {self.kind.value}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+_RULES: dict[tuple[OpOverload, Optional[str]], OpRule] = {}
+_DERIVED: dict[OpOverload, OpRule] = {}
+_MODAL: set[OpOverload] = set()  # ops with a variant for some mode
+
+
+def _caller() -> str:
+    """file:line of the registration: the caller of the public function calling this."""
+    frame = sys._getframe(2)
+    path = frame.f_code.co_filename
+    short = path[path.rfind("shardwise/"):] if "shardwise/" in path else path
+    return f"{short}:{frame.f_lineno}"
+
+
+def _add(rule: OpRule) -> None:
+    if not isinstance(rule.op, OpOverload):
+        raise TypeError(f"op rules are registered for aten op overloads (aten.add.Tensor), got {rule.op!r}")
+    key = (rule.op, rule.mode)
+    old = _RULES.get(key)
+    if old is not None:
+        mode = f" under mode {rule.mode!r}" if rule.mode else ""
+        raise ValueError(
+            f"{rule.op}{mode} already has a rule, registered at {old.where}; a second one at {rule.where} would "
+            f"silently replace it: keep one (exclude the op from one of the lists)"
+        )
+    _RULES[key] = rule
+    if rule.mode is not None:
+        _MODAL.add(rule.op)
+
+
+Ops = Union[OpOverload, Iterable[OpOverload]]
+
+
+def _targets(ops: Ops) -> list[OpOverload]:
+    return [ops] if isinstance(ops, OpOverload) else list(ops)
+
+
+def register_op_strategy(
+    ops: Ops,
+    *,
+    kind: OpKind = OpKind.SHARDED,
+    local: Union[LocalFn, Mapping[OpOverload, LocalFn], None] = None,
+    relayout: Iterable[OpOverload] = (),
+    mode: Optional[str] = None,
+    plain_as_replicated: bool = False,
+) -> Callable[[StrategyFn], StrategyFn]:
+    """Register the decorated strategy function for one aten op overload or a list of them::
+
+        @register_op_strategy([aten.relu.default, aten.gelu.default], kind=OpKind.POINTWISE)
         def activation_strategy(schema: OpSchema) -> OpStrategy: ...
-    """
-    targets = [ops] if isinstance(ops, OpOverload) else list(ops)
+
+    `local`: a local implementation for every op, or one per op (a mapping); `relayout`: the
+    ops among `ops` that give self a new layout in place; `mode`: register the variant used
+    while that mode is on (the op's base rule is registered separately)."""
+    targets = _targets(ops)
+    reshaping = set(relayout)
+    where = _caller()
 
     def wrap(fn: StrategyFn) -> StrategyFn:
         for op in targets:
-            if not isinstance(op, OpOverload):
-                raise TypeError(f"register_op_strategy takes aten op overloads (aten.add.Tensor), got {op!r}")
-            _STRATEGIES[op] = fn
+            impl = local.get(op) if isinstance(local, Mapping) else local
+            _add(OpRule(op, kind, fn, impl, op in reshaping, plain_as_replicated, mode, where))
         return fn
 
     return wrap
 
 
+def register_op_kind(
+    ops: Ops,
+    kind: OpKind,
+    *,
+    local: Union[LocalFn, Mapping[OpOverload, LocalFn], None] = None,
+    relayout: Iterable[OpOverload] = (),
+) -> None:
+    """Register rules without a strategy (`OpKind.REPLICATED`: run whole on every rank)."""
+    if kind is not OpKind.REPLICATED:
+        raise ValueError(f"register_op_kind registers {OpKind.REPLICATED}, got {kind}: give other kinds a strategy")
+    reshaping = set(relayout)
+    where = _caller()
+    for op in _targets(ops):
+        impl = local.get(op) if isinstance(local, Mapping) else local
+        _add(OpRule(op, kind, None, impl, op in reshaping, False, None, where))
+
+
+def _writes_an_argument(op: OpOverload) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+def _derived(op: OpOverload) -> OpRule:
+    rule = _DERIVED.get(op)
+    if rule is None:
+        if op in decomposition_table and not _writes_an_argument(op):
+            rule = OpRule(op, OpKind.DECOMPOSED, where="torch._decomp")
+        else:
+            rule = OpRule(op, OpKind.FALLBACK, where="(none registered)")
+        _DERIVED[op] = rule
+    return rule
+
+
+# The modes on now, in a one-element list: dispatch reads `ACTIVE_MODES[0]` on every call
+# (the same frozenset object until a mode changes) and keys its plans with it.
+ACTIVE_MODES: list[frozenset[str]] = [frozenset()]
+_MODES = ACTIVE_MODES
+
+
+def active_modes() -> frozenset[str]:
+    """The modes on now."""
+    return _MODES[0]
+
+
+@contextlib.contextmanager
+def op_mode(name: str) -> Iterator[None]:
+    """Inside the block, ops with a variant rule for mode `name` use it."""
+    before = _MODES[0]
+    _MODES[0] = before | {name}
+    try:
+        yield
+    finally:
+        _MODES[0] = before
+
+
+def rule_for(op: OpOverload, modes: Optional[frozenset[str]] = None) -> OpRule:
+    """The rule `op` runs by under `modes` (default: the modes on now)."""
+    if op in _MODAL:
+        for mode in sorted(_MODES[0] if modes is None else modes):
+            variant = _RULES.get((op, mode))
+            if variant is not None:
+                return variant
+    rule = _RULES.get((op, None))
+    return rule if rule is not None else _derived(op)
+
+
 def get_op_strategy(op: OpOverload) -> Optional[StrategyFn]:
-    return _STRATEGIES.get(op)
+    """The strategy function of `op`'s base rule, if it has one."""
+    rule = _RULES.get((op, None))
+    return None if rule is None else rule.strategy
 
 
 def registered_ops() -> list[OpOverload]:
-    return list(_STRATEGIES)
+    """Every overload with a registered base rule."""
+    return [op for op, mode in _RULES if mode is None]
+
+
+def registered_rules() -> list[OpRule]:
+    """Every registered rule, variants included, in registration order."""
+    return list(_RULES.values())
+
+
+__all__ += ["registered_rules"]

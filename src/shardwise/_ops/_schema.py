@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .._layout import ShardOrder, format_placements
+from .._layout import Layout
 from .._placement import Placement
 from .._spec import DTensorSpec, TensorMeta
 
@@ -170,18 +170,6 @@ def _meta_of(out: Any) -> Any:
     if isinstance(out, (list, tuple)):
         return tuple(_meta_of(o) for o in out)
     return None
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Placements plus split order: what a strategy asks of an input or promises of an output."""
-
-    placements: tuple[Placement, ...]
-    shard_order: ShardOrder = ()
-
-    def __str__(self) -> str:
-        order = "".join(f" split {d}:{ms}" for d, ms in self.shard_order)
-        return format_placements(self.placements) + order
 
 
 OutputLayouts = Union[Layout, tuple[Optional[Layout], ...], None]

@@ -29,7 +29,7 @@ import torch
 
 from .._placement import Partial, Shard
 from .._spec import DTensorSpec
-from ._index import Args, Option, combine
+from ._args import Args, Option, combine
 from ._nn import without_empty_pieces
 from ._pointwise import pointwise_strategy
 from ._reduction import reduction_strategy

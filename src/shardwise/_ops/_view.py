@@ -27,7 +27,7 @@ import torch
 from .._layout import ShardOrder, chunk_range, split_orders
 from .._placement import REDUCE_OPS, Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
-from ._registry import register_op_strategy
+from ._registry import OpKind, register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
 from ._utils import canonical_order as _canonical, input_spec, normalize_dim, order_like, renamed_order
 
@@ -196,7 +196,7 @@ def _view_plan(
     return dim_map, exact
 
 
-@register_op_strategy([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
+@register_op_strategy([aten.view.default, aten._unsafe_view.default, aten.reshape.default], kind=OpKind.VIEW)
 def view_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     out_shape = out_meta(schema).shape
@@ -204,7 +204,7 @@ def view_strategy(schema: OpSchema) -> OpStrategy:
     return single_input_strategy(spec, dim_map, shape_arg=1, check=exact)
 
 
-@register_op_strategy(aten.expand.default)
+@register_op_strategy(aten.expand.default, kind=OpKind.VIEW)
 def expand_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     out_shape = out_meta(schema).shape
@@ -222,7 +222,7 @@ def _permutation(schema: OpSchema, perm: Sequence[int]) -> OpStrategy:
     return single_input_strategy(input_spec(schema), {d: k for k, d in enumerate(perm)})
 
 
-@register_op_strategy(aten.permute.default)
+@register_op_strategy(aten.permute.default, kind=OpKind.VIEW)
 def permute_strategy(schema: OpSchema) -> OpStrategy:
     ndim = input_spec(schema).ndim
     return _permutation(schema, [normalize_dim(d, ndim) for d in schema.arg(1, "dims")])
@@ -232,7 +232,8 @@ def permute_strategy(schema: OpSchema) -> OpStrategy:
 _TRANSPOSE_DIMS = {aten.transpose.int, aten.transpose_.default, aten.transpose_copy.int}
 
 
-@register_op_strategy([aten.transpose.int, aten.t.default, aten.transpose_.default, aten.t_.default])
+@register_op_strategy([aten.transpose.int, aten.t.default, aten.transpose_.default, aten.t_.default], kind=OpKind.VIEW,
+                      relayout=[aten.transpose_.default, aten.t_.default])
 def transpose_strategy(schema: OpSchema) -> OpStrategy:
     ndim = input_spec(schema).ndim
     perm = list(range(ndim))
@@ -243,7 +244,7 @@ def transpose_strategy(schema: OpSchema) -> OpStrategy:
     return _permutation(schema, perm)
 
 
-@register_op_strategy(aten.alias.default)
+@register_op_strategy(aten.alias.default, kind=OpKind.VIEW)
 def alias_strategy(schema: OpSchema) -> OpStrategy:
     return _permutation(schema, range(input_spec(schema).ndim))
 
@@ -251,7 +252,7 @@ def alias_strategy(schema: OpSchema) -> OpStrategy:
 # -- size-1 dims -------------------------------------------------------------------------
 
 
-@register_op_strategy([aten.unsqueeze.default, aten.unsqueeze_.default])
+@register_op_strategy([aten.unsqueeze.default, aten.unsqueeze_.default], kind=OpKind.VIEW, relayout=[aten.unsqueeze_.default])
 def unsqueeze_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     new = normalize_dim(schema.arg(1, "dim"), spec.ndim + 1)
@@ -269,7 +270,7 @@ def _squeezed(schema: OpSchema, ndim: int) -> tuple[int, ...]:
 @register_op_strategy([
     aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims,
-])
+], kind=OpKind.VIEW, relayout=[aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims])
 def squeeze_strategy(schema: OpSchema) -> OpStrategy:
     """Squeeze runs locally, where it removes every *local* size-1 dim it may touch: a split
     dim whose piece is 1 on some rank (4 rows on 4 ranks) must not be split then."""

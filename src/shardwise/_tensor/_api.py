@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union, cast
 
 import torch
 
 from .. import _comm as comm
+from .. import _rng
 from .._layout import (
     ShardOrderLike,
     contiguous_strides,
@@ -22,8 +23,12 @@ from .._mesh import DeviceMesh, get_current_mesh
 from .._placement import Partial, Placement, Replicate
 from .._spec import DTensorSpec, TensorMeta
 from . import _random
-from ._dtensor import DTensor, _FromLocal
+from ._autograd import FromLocal
 from ._redistribute import redistribute_local
+from ._wrap import DTensorBase, wrap
+
+if TYPE_CHECKING:  # the class is defined above this module (its `from_local` calls this one)
+    from ._dtensor import DTensor
 
 __all__ = ["from_local", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn"]
 
@@ -95,7 +100,7 @@ def from_local(
     allowed), the pieces are checked to form the layout, and Replicate dims are broadcast
     from the first rank so they truly agree.
     """
-    if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
+    if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensorBase):
         raise TypeError(f"from_local takes a plain torch.Tensor, got {type(local_tensor).__name__}")
     mesh, placements = _resolve(device_mesh, placements)
     pl = normalize_placements(placements, mesh.ndim, local_tensor.ndim)
@@ -117,7 +122,7 @@ def from_local(
                     synced = comm.broadcast(local_tensor.detach().clone(), mesh.get_group(i), mesh.shape[i], mesh.ranks_along(i)[0])
                 local_tensor = local_tensor + (synced - local_tensor).detach() if local_tensor.requires_grad else synced
     spec = DTensorSpec(mesh, pl, TensorMeta(torch.Size(gshape), gstride, local_tensor.dtype), order)
-    return _FromLocal.apply(local_tensor, spec)  # type: ignore[no-untyped-call,no-any-return]
+    return FromLocal.apply(local_tensor, spec)  # type: ignore[no-untyped-call,no-any-return]
 
 
 def distribute_tensor(
@@ -136,10 +141,11 @@ def distribute_tensor(
     The result is a leaf with the input's `requires_grad`.
     """
     mesh, placements = _resolve(device_mesh, placements)
-    if isinstance(tensor, DTensor):
-        if tensor.device_mesh != mesh:
-            raise ValueError(f"distribute_tensor got a DTensor on {tensor.device_mesh!r}, not on {mesh!r}")
-        return tensor.redistribute(mesh, placements, shard_order=shard_order)
+    if isinstance(tensor, DTensorBase):
+        given = cast("DTensor", tensor)
+        if given.device_mesh != mesh:
+            raise ValueError(f"distribute_tensor got a DTensor on {given.device_mesh!r}, not on {mesh!r}")
+        return given.redistribute(mesh, placements, shard_order=shard_order)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"distribute_tensor takes a torch.Tensor, got {type(tensor).__name__}")
     pl = normalize_placements(placements, mesh.ndim, tensor.ndim)
@@ -162,7 +168,7 @@ def distribute_tensor(
     local = redistribute_local(full, replicated, target)
     if local.numel() < full.numel() or local.data_ptr() == tensor.data_ptr():
         local = local.clone()
-    return DTensor(local, target, requires_grad=tensor.requires_grad)
+    return wrap(local, target, tensor.requires_grad)  # type: ignore[no-any-return]
 
 
 # -- factories ---------------------------------------------------------------------
@@ -187,13 +193,13 @@ def _factory(
     order = normalize_shard_order(pl, shard_order, len(shape))
     meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype or torch.get_default_dtype())
     spec = DTensorSpec(mesh, pl, meta, order)
-    coordinate = mesh._coordinate or (0,) * mesh.ndim
+    coordinate = tuple(mesh.get_coordinate() or (0,) * mesh.ndim)
     local_shape, offset = spec.local_shape_and_offset(coordinate)
     local = make(local_shape, offset, meta, mesh)
     if zero_partials and any(isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[i] != 0 for i, p in enumerate(pl)):
         local = torch.zeros_like(local)
     local.requires_grad_(requires_grad)
-    return DTensor(local, spec, requires_grad=requires_grad)
+    return wrap(local, spec, requires_grad)  # type: ignore[no-any-return]
 
 
 _SizeArg = Union[int, Sequence[int]]
@@ -232,7 +238,7 @@ def rand(*size: Any, dtype: Optional[torch.dtype] = None, requires_grad: bool = 
          shard_order: ShardOrderLike = None) -> DTensor:
     """Uniform [0, 1) DTensor; the same global values under every layout for one seed."""
     def make(s: tuple[int, ...], o: tuple[int, ...], m: TensorMeta, mesh: DeviceMesh) -> torch.Tensor:
-        return _random.uniform_local(s, o, m.shape, _random.next_seed(mesh), 0, m.dtype)
+        return _rng.uniform_local(s, o, m.shape, _random.next_seed(mesh), 0, m.dtype)
     return _factory(make, size, dtype, requires_grad, device_mesh, placements, shard_order)
 
 
@@ -241,5 +247,5 @@ def randn(*size: Any, dtype: Optional[torch.dtype] = None, requires_grad: bool =
           shard_order: ShardOrderLike = None) -> DTensor:
     """Standard normal DTensor; the same global values under every layout for one seed."""
     def make(s: tuple[int, ...], o: tuple[int, ...], m: TensorMeta, mesh: DeviceMesh) -> torch.Tensor:
-        return _random.normal_local(s, o, m.shape, _random.next_seed(mesh), 0, m.dtype)
+        return _rng.normal_local(s, o, m.shape, _random.next_seed(mesh), 0, m.dtype)
     return _factory(make, size, dtype, requires_grad, device_mesh, placements, shard_order)

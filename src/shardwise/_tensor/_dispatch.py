@@ -1,167 +1,80 @@
-"""Eager dispatch of an aten op on DTensors: look up the plan, redistribute, run locally, wrap.
+"""Eager dispatch of an aten op on DTensors: look up the plan, run it.
 
-The first call with a given op, argument layouts and non-tensor arguments builds a plan
-(propagation on the global specs plus this rank's local shapes); every later call with
-the same key is a dictionary lookup followed by the local op.
+The first call with a given op, modes, argument layouts and non-tensor arguments makes a
+plan (`_plans`): the op's rule (`_ops.rule_for`), propagation on the global specs, the
+moves each input needs, and this rank's local shapes; every later call with the same key
+is a dictionary lookup followed by the plan's `run`.
 
 An argument the op writes (in-place self, `out=`) that had to be moved is written back
 into the layout it had, so a DTensor never changes layout behind its owner's back.
+
+The path of one call, `torch.mm(a, b)` with `a` S(0) and `b` R on a (4,) mesh:
+
+| layer | function | does |
+|---|---|---|
+| tensor | `DTensor.__torch_dispatch__` = `torch_dispatch` | keys the call; a hit skips to `LeanPlan.run` |
+| tensor | `_make_plan` | builds the schema and the plan (first call only) |
+| ops | `rule_for` -> `propagate` -> the mm strategy | candidates, priced by `plan_between`; (S(0), R) -> S(0) costs 0 |
+| tensor | `LeanPlan.run` | unwraps the pieces, calls the C op |
+| tensor | `wrap` | the output DTensor, S(0) |
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
 from torch._decomp import decomposition_table
 
 from .._layout import contiguous_strides
-from .._mesh import DeviceMesh
+from .._mesh import AbstractMesh
+from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, ScalarTensor, propagate, rule_for
 from .._placement import Replicate
 from .._spec import DTensorSpec, TensorMeta
-from .._ops import RELAYOUT_OPS, REPLICATED_OPS, OpSchema, ScalarTensor, get_op_strategy, propagate
-from ._redistribute import redistribute_local
+from ._plans import DecomposedPlan, GeneralPlan, LeanPlan, Location, Plan, implicit, implicit_replication
+from ._redistribute import Move, move_between
+from ._runtime import RUNTIME
+from ._wrap import DTENSOR_CLASSES as _DTENSORS
+from ._wrap import DTensorBase, Wrapper
 
-__all__ = ["dispatch", "implicit_replication", "plain_as_replicated", "register_local_impl"]
+__all__ = ["dispatch", "implicit_replication", "torch_dispatch"]
 
-# Ops whose local computation is not the op on the local pieces: random ops draw from the
-# placement-invariant generator instead, so every layout gives the same global values; a
-# vocab-sharded embedding masks the ids outside the rank's rows.
-# impl(func, local_args, local_kwargs, output_spec) -> local output; registered with
-# `with_input_specs=True`, also `input_specs=`: each DTensor input's spec as the op runs.
-LocalImpl = Callable[..., Any]
-_LOCAL_IMPLS: dict[Any, LocalImpl] = {}
-_WITH_INPUT_SPECS: set[Any] = set()
-
-
-def register_local_impl(ops: Any, *, with_input_specs: bool = False) -> Callable[[LocalImpl], LocalImpl]:
-    """Run `impl` instead of the aten op on local pieces for these ops (random ops, masked
-    lookups). With `with_input_specs`, `impl` also receives `input_specs=`: the spec every
-    DTensor input has once moved to the chosen strategy's layout, in flattened input order."""
-    targets = ops if isinstance(ops, (list, tuple)) else [ops]
-
-    def wrap(impl: LocalImpl) -> LocalImpl:
-        for op in targets:
-            _LOCAL_IMPLS[op] = impl
-            if with_input_specs:
-                _WITH_INPUT_SPECS.add(op)
-            else:
-                _WITH_INPUT_SPECS.discard(op)
-        return impl
-
-    return wrap
-
-_IMPLICIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_implicit_replication", default=False)
-
-
-@contextlib.contextmanager
-def implicit_replication() -> Iterator[None]:
-    """Inside this block, a plain tensor mixed with DTensors counts as replicated on their mesh.
-
-    Use it for tensors that really are the same on every rank (a mask, a position table);
-    outside it, mixing them is an error, because a rank-local tensor would be silently
-    treated as global. One-element tensors (shape `()`, `(1,)`, `(1, 1)`) always count as
-    replicated, as scalars do.
-    """
-    token = _IMPLICIT.set(True)
-    try:
-        yield
-    finally:
-        _IMPLICIT.reset(token)
-
-
-# Ops that take plain tensors as replicated while a mode says so (loss_parallel's targets).
-_PLAIN_AS_REPLICATED: set[Any] = set()
-
-
-def plain_as_replicated(ops: Iterable[Any], on: bool) -> None:
-    """Let these ops take plain tensors mixed with DTensors as replicated (or stop)."""
-    if on:
-        _PLAIN_AS_REPLICATED.update(ops)
-    else:
-        _PLAIN_AS_REPLICATED.difference_update(ops)
-
-
-# Where a DTensor input sits: (positional index or keyword name, index in a list or None).
-Location = tuple[Union[int, str], Optional[int]]
-
-
-class _Plan:
-    """What to do for one cache key."""
-
-    __slots__ = (
-        "moves", "simple", "outputs", "single", "shape_arg", "local_shape", "writebacks", "returns", "impl",
-        "resolve", "dynamic_mesh", "impl_specs", "relayout", "decompose", "fast", "unwrap", "moved", "call", "wraps",
-    )
-
-    def __init__(self) -> None:
-        self.moves: tuple[tuple[Any, Optional[DTensorSpec]], ...] = ()
-        self.simple = True  # every DTensor input is a top-level positional argument
-        self.outputs: Union[DTensorSpec, tuple[Optional[DTensorSpec], ...], None] = None
-        self.single: Optional[DTensorSpec] = None
-        self.shape_arg: Optional[int] = None
-        self.local_shape: Optional[list[int]] = None
-        self.writebacks: tuple[Location, ...] = ()
-        self.returns: Optional[tuple[Location, ...]] = None  # in-place / out=: return these inputs
-        self.impl: Optional[LocalImpl] = None
-        self.impl_specs: Optional[tuple[DTensorSpec, ...]] = None  # input specs for impls that ask
-        self.resolve = False  # the local op returns a lazy conj/neg view: materialize it
-        self.dynamic_mesh: Optional[DeviceMesh] = None  # outputs described after the run (replicated)
-        self.relayout = False  # an in-place op that gives self a new shape or layout (squeeze_)
-        self.decompose: Optional[Callable[..., Any]] = None  # run as PyTorch's decomposition of the op
-        # The lean path (`fast`): top-level DTensor arguments, the op itself on local pieces, and
-        # fresh outputs; everything it needs is worked out here, once.
-        self.fast = False
-        self.unwrap: tuple[int, ...] = ()  # positions whose local piece is used as it is
-        self.moved: tuple[tuple[int, DTensorSpec], ...] = ()  # positions redistributed first
-        self.call: Callable[..., Any] = _no_call  # the C op (an OpOverload's `_op`)
-        self.wraps: tuple[_Out, ...] = ()  # one per output; a single output when `single` is set
-
-
-def _no_call(*args: Any, **kwargs: Any) -> Any:
-    raise AssertionError("a plan off the lean path has no direct call")
-
-
-# What wrapping one output needs, precomputed: (class, shape, stride, dtype, spec).
-_Out = tuple[type, torch.Size, tuple[int, ...], torch.dtype, DTensorSpec]
-
-
-def _out(spec: DTensorSpec) -> _Out:
-    meta = spec.tensor_meta
-    return (class_for(spec), meta.shape, meta.stride, meta.dtype, spec)
-
-
-def _set_lean(plan: _Plan, func: Any, args: tuple[Any, ...]) -> None:
-    """Mark `plan` for the lean path when nothing but unwrap, call and wrap is needed."""
-    outputs = plan.outputs
-    if isinstance(outputs, DTensorSpec):
-        wraps: tuple[_Out, ...] = (_out(outputs),)
-    elif isinstance(outputs, tuple) and outputs and all(isinstance(o, DTensorSpec) for o in outputs):
-        wraps = tuple(_out(o) for o in outputs if isinstance(o, DTensorSpec))
-    else:
-        return
-    if not plan.simple or plan.impl is not None or plan.resolve or plan.dynamic_mesh is not None:
-        return
-    if plan.writebacks or plan.relayout or plan.returns is not None or not hasattr(func, "_op"):
-        return
-    # a plain tensor (implicit replication) that stays put is passed as it is
-    plan.unwrap = tuple(k for k, t in plan.moves if t is None and isinstance(args[k], DTensor))
-    plan.moved = tuple((k, t) for k, t in plan.moves if t is not None)
-    plan.call = func._op
-    plan.wraps = wraps
-    plan.fast = True
-
-
-# Keyed by (op, one entry per argument, kwargs): a DTensor contributes its spec (hashed
-# once, at creation), anything else (type, value): 2, 2.0 and True give different dtypes;
-# a list or tuple of scalars (a shape) gives (type, element types, values).
-_PLANS: dict[tuple[Any, ...], _Plan] = {}
+# Keyed by (op, modes on, one entry per argument, kwargs): a DTensor contributes its spec
+# (hashed once, at creation), anything else (type, value): 2, 2.0 and True give different
+# dtypes; a list or tuple of scalars (a shape) gives (type, element types, values).
+# The cache holds each plan's bound `run` (made once), so a hit is a lookup and one call.
+_PLANS: dict[tuple[Any, ...], Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {}
 _SCALARS = (int, float, bool, complex, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _SCALAR_TYPES = frozenset(_SCALARS)
+_LAZY_VIEWS = {torch.ops.aten._conj.default, torch.ops.aten._neg_view.default}
+
+
+def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
+                   kwargs: Optional[dict[str, Any]] = None) -> Any:
+    """`DTensor.__torch_dispatch__` itself (bound as its classmethod, so an op pays no extra
+    call to get here): run the aten op `func` on DTensor arguments."""
+    if kwargs is None:
+        kwargs = {}
+    modes = ACTIVE_MODES[0]
+    # the key inlines the two common cases of `_key_part`: a DTensor and a plain scalar
+    key = (func, modes, *[
+        a._spec if a.__class__ in _DTENSORS else (a.__class__, a) if a.__class__ in _SCALAR_TYPES
+        else _key_part(a, func, modes)
+        for a in args
+    ])
+    if kwargs:
+        key += (tuple((k, _key_part(v, func, modes)) for k, v in kwargs.items()),)
+    run = _PLANS.get(key)
+    if run is None:
+        run = _PLANS[key] = _make_plan(func, args, kwargs, rule_for(func, modes)).run
+    return run(args, kwargs)
+
+
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run the aten op `func` on DTensor arguments (what `__torch_dispatch__` does)."""
+    return torch_dispatch(type, func, (), args, kwargs)
 
 
 def _plain_error(func: Any, a: torch.Tensor) -> ValueError:
@@ -174,32 +87,37 @@ def _plain_error(func: Any, a: torch.Tensor) -> ValueError:
     )
 
 
-def _key_part(a: Any, func: Any) -> Any:
-    if isinstance(a, DTensor):
+def _key_part(a: Any, func: Any, modes: frozenset[str]) -> Any:
+    if isinstance(a, DTensorBase):
         return a._spec
     if isinstance(a, _SCALARS):
         return (a.__class__, a)
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:
             return ScalarTensor(a.dtype, a.device.type)
-        if _IMPLICIT.get() or a.numel() == 1 or func in _PLAIN_AS_REPLICATED:  # numel 1: a scalar in disguise
+        # numel 1: a scalar in disguise
+        if implicit() or a.numel() == 1 or rule_for(func, modes).plain_as_replicated:
             return ("plain", a.shape, a.dtype, a.device.type)
         raise _plain_error(func, a)
     if isinstance(a, (list, tuple)):
         types = tuple(map(type, a))
         if _SCALAR_TYPES.issuperset(types):  # a shape, a list of dims: no walk
             return (a.__class__, types, tuple(a))
-        return (a.__class__, tuple(_key_part(x, func) for x in a))
+        return (a.__class__, tuple(_key_part(x, func, modes) for x in a))
     return (a.__class__, a)
 
 
-def _schema_arg(a: Any, mesh: Optional[DeviceMesh]) -> Any:
-    if isinstance(a, DTensor):
+# -- making a plan -----------------------------------------------------------------------------
+
+
+def _schema_arg(a: Any, mesh: Optional[AbstractMesh]) -> Any:
+    if isinstance(a, DTensorBase):
         return a._spec
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:
             return ScalarTensor(a.dtype, a.device.type)
-        assert mesh is not None
+        if mesh is None:
+            raise TypeError(f"a plain tensor of shape {tuple(a.shape)} reached DTensor dispatch without a DTensor beside it")
         meta = TensorMeta(a.shape, contiguous_strides(a.shape), a.dtype)
         return DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta)
     if isinstance(a, (list, tuple)):
@@ -208,7 +126,7 @@ def _schema_arg(a: Any, mesh: Optional[DeviceMesh]) -> Any:
 
 
 def _is_input(a: Any) -> bool:
-    return isinstance(a, DTensor) or (isinstance(a, torch.Tensor) and a.ndim > 0)
+    return isinstance(a, DTensorBase) or (isinstance(a, torch.Tensor) and a.ndim > 0)
 
 
 def _locations(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Location]:
@@ -221,90 +139,99 @@ def _locations(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Location]:
     return found
 
 
-def _first_mesh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[DeviceMesh]:
+def _first_mesh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[AbstractMesh]:
     for value in list(args) + list(kwargs.values()):
         for x in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(x, DTensor):
-                mesh = x._spec.mesh
-                assert isinstance(mesh, DeviceMesh)
-                return mesh
+            if isinstance(x, DTensorBase):
+                return x._spec.mesh
     return None
 
 
-def _decomposition(func: Any) -> Optional[Callable[..., Any]]:
-    """PyTorch's decomposition of an op that has no strategy and writes none of its arguments:
-    its pieces have strategies, so it runs sharded instead of gathered."""
-    if get_op_strategy(func) is not None or func in REPLICATED_OPS:
-        return None
-    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
-        return None
-    return decomposition_table.get(func)
+def _move(spec: DTensorSpec, target: Optional[DTensorSpec]) -> Optional[Move]:
+    return None if target is None else move_between(spec, target)
 
 
-def _run_decomposition(decompose: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    # Tensors a decomposition creates come from global shapes and scalars: the same on
-    # every rank, so they count as replicated.
-    with implicit_replication():
-        return decompose(*args, **kwargs)
-
-
-def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Plan:
-    decompose = _decomposition(func)
-    if decompose is not None:
-        plan = _Plan()
-        plan.decompose = decompose
-        return plan
+def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: OpRule) -> Plan:
+    if rule.kind is OpKind.DECOMPOSED:
+        return DecomposedPlan(decomposition_table[func])
     mesh = _first_mesh(args, kwargs)
     schema = OpSchema(
         func,
         tuple(_schema_arg(a, mesh) for a in args),
         tuple((k, _schema_arg(v, mesh)) for k, v in kwargs.items()) if kwargs else (),
     )
-    result = propagate(schema)
-    plan = _Plan()
+    result = propagate(schema, rule)
     where = _locations(args, kwargs)
-    plan.moves = tuple(zip(where, result.input_specs))
-    plan.simple = all(isinstance(k, int) and j is None for k, j in where)
-    if plan.simple:
-        plan.moves = tuple((k, t) for (k, _), t in plan.moves)
-    plan.outputs = result.output_spec
-    plan.single = result.output_spec if isinstance(result.output_spec, DTensorSpec) else None
-    if result.shape_arg is not None:
-        spec = plan.single
-        assert spec is not None and isinstance(spec.mesh, DeviceMesh)
-        coordinate = spec.mesh._coordinate or (0,) * spec.mesh.ndim
-        plan.shape_arg = result.shape_arg
-        plan.local_shape = list(spec.local_shape_and_offset(coordinate)[0])
-    plan.impl = _LOCAL_IMPLS.get(func)
-    if func in _WITH_INPUT_SPECS:
-        plan.impl_specs = tuple(t if t is not None else s for s, t in zip(schema.input_specs(), result.input_specs))
-    plan.resolve = func in _LAZY_VIEWS
-    if result.dynamic:
-        plan.dynamic_mesh = mesh
-    written = _written_args(func, args, kwargs)
-    plan.relayout = func in RELAYOUT_OPS and bool(args) and isinstance(args[0], DTensor)
-    if plan.relayout:
-        _check_growth(func, args[0], plan.single)
+    specs = schema.input_specs()
+    moves = tuple((loc, _move(s, t)) for loc, s, t in zip(where, specs, result.input_specs))
+    outputs = result.output_spec
+    single = outputs if isinstance(outputs, DTensorSpec) else None
+    shape_arg, local_shape = _local_shape(result, single)
+    written = _written_args(func, args)
+    relayout = single if rule.relayout and bool(args) and isinstance(args[0], DTensorBase) else None
+    if rule.relayout and args and isinstance(args[0], DTensorBase):
+        _check_growth(func, args[0], single)
         written.discard(0)  # self takes the result's layout: nothing to move back
     else:
-        _check_inplace_shape(func, args, result.output_spec)
-    plan.writebacks = tuple(loc for loc, target in zip(where, result.input_specs) if target is not None and loc[0] in written)
-    if plan.relayout:
+        _check_inplace_shape(func, args, outputs)
+    writebacks = tuple(
+        (loc, move_between(t, s)) for loc, s, t in zip(where, specs, result.input_specs)
+        if t is not None and loc[0] in written
+    )
+    if relayout is not None:
         written.add(0)
-    if written and _returns_written(func):
-        plan.returns = tuple(loc for loc in where if loc[0] in written)
-    _set_lean(plan, func, args)
-    return plan
+    returns = tuple(loc for loc in where if loc[0] in written) if written and _returns_written(func) else None
+    flat = all(isinstance(k, int) and j is None for k, j in where)
+    lean_outputs = _lean_outputs(outputs)
+    if (flat and rule.local is None and func not in _LAZY_VIEWS and not result.dynamic and not writebacks
+            and relayout is None and returns is None and lean_outputs is not None and hasattr(func, "_op")):
+        # a plain tensor (implicit replication) that stays put is passed as it is
+        positions = [(int(k), m) for (k, _), m in moves]
+        unwrap = tuple(k for k, m in positions if m is None and isinstance(args[k], DTensorBase))
+        moved = tuple((k, m) for k, m in positions if m is not None)
+        wrappers = tuple(Wrapper(o) for o in lean_outputs)
+        return LeanPlan(func._op, unwrap, moved, shape_arg, local_shape, wrappers, single is not None)
+    return GeneralPlan(
+        func=func,
+        moves=moves,
+        flat=flat,
+        outputs=outputs,
+        shape_arg=shape_arg,
+        local_shape=local_shape,
+        local=rule.local,
+        input_specs=tuple(t if t is not None else s for s, t in zip(specs, result.input_specs)),
+        resolve=func in _LAZY_VIEWS,
+        dynamic_mesh=mesh if result.dynamic else None,
+        writebacks=writebacks,
+        relayout=relayout,
+        returns=returns,
+        returns_nothing=not func._schema.returns,
+    )
 
 
-_LAZY_VIEWS = {torch.ops.aten._conj.default, torch.ops.aten._neg_view.default}
+def _lean_outputs(outputs: Any) -> Optional[tuple[DTensorSpec, ...]]:
+    """Every output's spec, when each is a DTensor (the lean plan wraps them all)."""
+    if isinstance(outputs, DTensorSpec):
+        return (outputs,)
+    if isinstance(outputs, tuple) and outputs and all(isinstance(o, DTensorSpec) for o in outputs):
+        return tuple(o for o in outputs if isinstance(o, DTensorSpec))
+    return None
+
+
+def _local_shape(result: OutputSharding, single: Optional[DTensorSpec]) -> tuple[Optional[int], Optional[list[int]]]:
+    """The argument holding output 0's shape and this rank's piece of that shape (a `new_*` op)."""
+    if result.shape_arg is None:
+        return None, None
+    assert single is not None
+    coordinate = RUNTIME.coordinate(single.mesh) or (0,) * single.mesh.ndim
+    return result.shape_arg, list(single.local_shape_and_offset(coordinate)[0])
 
 
 def _check_inplace_shape(func: Any, args: tuple[Any, ...], out: Any) -> None:
     """An in-place op may not change its self's shape (a DTensor's global shape is fixed)."""
     arguments = func._schema.arguments
     inplace = bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
-    if inplace and args and isinstance(args[0], DTensor) and isinstance(out, DTensorSpec):
+    if inplace and args and isinstance(args[0], DTensorBase) and isinstance(out, DTensorSpec):
         if out.shape != args[0].shape:
             raise ValueError(
                 f"in-place {func} would change a DTensor's shape from {tuple(args[0].shape)} to "
@@ -312,7 +239,7 @@ def _check_inplace_shape(func: Any, args: tuple[Any, ...], out: Any) -> None:
             )
 
 
-def _check_growth(func: Any, self: DTensor, out: Optional[DTensorSpec]) -> None:
+def _check_growth(func: Any, self: DTensorBase, out: Optional[DTensorSpec]) -> None:
     if out is None or math.prod(out.shape) > math.prod(self.shape):
         got = "an unknown shape" if out is None else tuple(out.shape)
         raise ValueError(
@@ -321,17 +248,7 @@ def _check_growth(func: Any, self: DTensor, out: Optional[DTensorSpec]) -> None:
         )
 
 
-def _relayout(owner: DTensor, local: torch.Tensor, spec: DTensorSpec) -> None:
-    """Give `owner` the layout (and global shape) of an in-place op's result."""
-    owner._local_tensor = local
-    owner._spec = spec
-    owner.__class__ = class_for(spec)  # a split batch dim may come or go (see `_dtensor`)
-    # the wrapper's own sizes and strides are metadata only: set them below the Python key
-    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
-        torch.ops.aten.as_strided_.default(owner, spec.shape, spec.tensor_meta.stride)
-
-
-def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[Union[int, str]]:
+def _written_args(func: Any, args: tuple[Any, ...]) -> set[Union[int, str]]:
     """Positions / names of the arguments the op writes (in-place self, out= tensors)."""
     written: set[Union[int, str]] = set()
     for k, a in enumerate(func._schema.arguments):
@@ -348,144 +265,3 @@ def _returns_written(func: Any) -> bool:
     (batch norm writes its running statistics but returns fresh outputs)."""
     returns = func._schema.returns
     return not returns or any(r.alias_info is not None and r.alias_info.is_write for r in returns)
-
-
-def _get(args: Any, kwargs: dict[str, Any], loc: Location) -> Any:
-    key, j = loc
-    value = args[key] if isinstance(key, int) else kwargs[key]
-    return value if j is None else value[j]
-
-
-def _local(a: Any, target: Optional[DTensorSpec]) -> torch.Tensor:
-    if isinstance(a, DTensor):
-        return a._local_tensor if target is None else redistribute_local(a._local_tensor, a._spec, target)
-    # a plain tensor under implicit_replication: replicated, so its local piece is itself
-    if target is None:
-        return a  # type: ignore[no-any-return]
-    spec = DTensorSpec(target.mesh, (Replicate(),) * target.mesh.ndim, target.tensor_meta)
-    return redistribute_local(a, spec, target)
-
-
-def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run the aten op `func` on DTensor arguments: the lean path, or `_run` for the rest."""
-    # the key inlines the two common cases of `_key_part`: a DTensor and a plain scalar
-    key = (func, *[
-        a._spec if isinstance(a, DTensor) else (a.__class__, a) if a.__class__ in _SCALAR_TYPES else _key_part(a, func)
-        for a in args
-    ])
-    if kwargs:
-        key += (tuple((k, _key_part(v, func)) for k, v in kwargs.items()),)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _make_plan(func, args, kwargs)
-        _PLANS[key] = plan
-    if plan.fast:
-        local_args = list(args)
-        for k in plan.unwrap:
-            local_args[k] = args[k]._local_tensor
-        for k, target in plan.moved:
-            local_args[k] = _local(args[k], target)
-        if plan.shape_arg is not None:
-            local_args[plan.shape_arg] = plan.local_shape
-        out = plan.call(*local_args, **kwargs)
-        if plan.single is not None:
-            cls, shape, stride, dtype, spec = plan.wraps[0]
-            r: Any = _make_wrapper(cls, shape, strides=stride, dtype=dtype, device=out.device, layout=out.layout)
-            r._local_tensor = out
-            r._spec = spec
-            return r
-        return tuple([_wrap_one(o, w) for o, w in zip(out, plan.wraps)])
-    return _run(plan, func, args, kwargs)
-
-
-def _run(plan: _Plan, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The general path: nested arguments, local impls, in-place and out= ops, decompositions."""
-    if plan.decompose is not None:
-        return _run_decomposition(plan.decompose, args, kwargs)
-    if plan.simple:
-        local_args = list(args)
-        for k, target in plan.moves:
-            local_args[k] = _local(args[k], target)
-        local_kwargs = kwargs
-    else:
-        local_args, local_kwargs = _unwrap_nested(args, kwargs, plan)
-    if plan.shape_arg is not None:
-        local_args[plan.shape_arg] = plan.local_shape
-    if plan.impl is None:
-        out = func(*local_args, **local_kwargs)
-    elif plan.impl_specs is None:
-        out = plan.impl(func, local_args, local_kwargs, plan.outputs)
-    else:
-        out = plan.impl(func, local_args, local_kwargs, plan.outputs, input_specs=plan.impl_specs)
-    if plan.resolve:
-        out = out.resolve_conj().resolve_neg()
-    if plan.dynamic_mesh is not None:
-        return _wrap_replicated(out, plan.dynamic_mesh)
-    if plan.writebacks:
-        _write_back(args, kwargs, local_args, local_kwargs, plan)
-    if plan.relayout:
-        assert plan.single is not None
-        _relayout(args[0], out if isinstance(out, torch.Tensor) else local_args[0], plan.single)
-    if plan.returns is not None:
-        if not func._schema.returns:  # `-> ()` ops must return None to torch
-            return None
-        returned = [_get(args, kwargs, loc) for loc in plan.returns]
-        return returned[0] if len(returned) == 1 else tuple(returned)
-    if plan.single is not None:
-        return DTensor(out, plan.single, requires_grad=False)
-    return _wrap(out, plan.outputs)
-
-
-def _wrap_one(local: torch.Tensor, w: _Out) -> DTensor:
-    cls, shape, stride, dtype, spec = w
-    r: Any = _make_wrapper(cls, shape, strides=stride, dtype=dtype, device=local.device, layout=local.layout)
-    r._local_tensor = local
-    r._spec = spec
-    return r  # type: ignore[no-any-return]
-
-
-def _unwrap_nested(args: tuple[Any, ...], kwargs: dict[str, Any], plan: _Plan) -> tuple[list[Any], dict[str, Any]]:
-    local_args: list[Any] = [list(a) if isinstance(a, (list, tuple)) else a for a in args]
-    local_kwargs = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
-    for (key, j), target in plan.moves:
-        holder: Any = local_args if isinstance(key, int) else local_kwargs
-        value = _local(_get(args, kwargs, (key, j)), target)
-        if j is None:
-            holder[key] = value
-        else:
-            holder[key][j] = value
-    return local_args, local_kwargs
-
-
-def _write_back(args: Any, kwargs: dict[str, Any], local_args: Any, local_kwargs: dict[str, Any], plan: _Plan) -> None:
-    """Results written into a moved copy go back into the owner's layout and storage."""
-    targets = dict(plan.moves) if not plan.simple else {(k, None): t for k, t in plan.moves}
-    for loc in plan.writebacks:
-        owner = _get(args, kwargs, loc)
-        written = _get(local_args, local_kwargs, loc)
-        target = targets[loc]
-        assert isinstance(owner, DTensor) and target is not None
-        owner._local_tensor.copy_(redistribute_local(written, target, owner._spec))
-
-
-def _wrap_replicated(out: Any, mesh: DeviceMesh) -> Any:
-    """Wrap the outputs of a replicated run whose shapes were only known after it."""
-    if isinstance(out, torch.Tensor):
-        meta = TensorMeta(out.shape, tuple(out.stride()), out.dtype)
-        return DTensor(out, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta), requires_grad=False)
-    if isinstance(out, (list, tuple)):
-        return type(out)(_wrap_replicated(o, mesh) for o in out)
-    return out
-
-
-def _wrap(out: Any, spec: Any) -> Any:
-    if isinstance(spec, DTensorSpec):
-        return DTensor(out, spec, requires_grad=False)
-    if isinstance(spec, tuple):
-        return tuple(_wrap(o, s) for o, s in zip(out, spec))
-    return out
-
-
-from ._dtensor import DTensor, class_for  # noqa: E402
-
-_make_wrapper = torch.Tensor._make_wrapper_subclass

@@ -26,6 +26,9 @@ from typing import Any, Optional
 import torch
 
 from .. import _comm
+from ._async import resolve
+from ._redistribute import move_between, redistribute_local
+from ._wrap import DTensorBase, wrap
 
 __all__ = ["deferred", "note_accumulated"]
 
@@ -54,10 +57,8 @@ def deferred(leaves: Iterable[torch.Tensor]) -> Iterator[None]:
 
 def note_accumulated(leaf: torch.Tensor) -> None:
     """Post-accumulate-grad hook: queue `leaf` for the reduction at the end of this backward."""
-    from ._dtensor import DTensor
-
     grad = leaf.grad
-    if not isinstance(grad, DTensor) or not isinstance(leaf, DTensor):
+    if not isinstance(grad, DTensorBase) or not isinstance(leaf, DTensorBase):
         return
     have, want = grad._spec, leaf._spec
     if not have.has_partial() or want.has_partial() or have.mesh != want.mesh or id(leaf) in _DEFERRED:
@@ -70,10 +71,6 @@ def note_accumulated(leaf: torch.Tensor) -> None:
 
 
 def _reduce_noted() -> None:
-    from ._async import resolve
-    from ._dtensor import DTensor
-    from ._redistribute import move_between, redistribute_local
-
     _QUEUED_FOR[0] = None
     leaves = list(_NOTED)
     _NOTED.clear()
@@ -81,7 +78,7 @@ def _reduce_noted() -> None:
     with torch.no_grad():
         for leaf in leaves:
             grad = leaf.grad
-            if not isinstance(grad, DTensor) or not grad._spec.has_partial():
+            if not isinstance(grad, DTensorBase) or not grad._spec.has_partial():
                 continue  # replaced or reduced since it was noted
             have = grad._spec
             target = have.with_placements(leaf._spec.placements, leaf._spec.shard_order)
@@ -91,9 +88,9 @@ def _reduce_noted() -> None:
                 key = (single.group, single.size, single.op, single.mesh_dims)
                 buckets.setdefault(key, []).append((leaf, target, local))
             else:
-                leaf.grad = DTensor(redistribute_local(local, have, target), target, requires_grad=False)
+                leaf.grad = wrap(redistribute_local(local, have, target), target)
         for (group, n, op, mesh_dims), items in buckets.items():
             reduced = _comm.all_reduce_coalesced([local for _, _, local in items], group, n, op, mesh_dims=mesh_dims)
             for (leaf, target, _), piece in zip(items, reduced):
                 assert piece is not None  # every value was given: no absent ones
-                leaf.grad = DTensor(piece, target, requires_grad=False)
+                leaf.grad = wrap(piece, target)

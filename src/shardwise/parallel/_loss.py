@@ -13,9 +13,9 @@ nll_loss run on each rank's classes and exchange only per-row numbers:
 | log_softmax backward | all_reduce of each row's sum of the incoming gradient: rows |
 | nll_loss backward | nothing (each rank writes its own class range) |
 
-The mechanism is a mode: while it is on, those four ops may keep their class dim split
-(`shardwise._ops._loss_parallel`, `shardwise._tensor._loss_parallel_impls`); outside the
-block every op plans and runs exactly as before. Run the backward inside the block too:
+The mechanism is a mode (`op_mode(LOSS_PARALLEL)`): while it is on, those ops run by their
+loss-parallel rules, which may keep the class dim split (`shardwise._ops._loss_parallel`,
+`_loss_parallel_local`); outside the block every op plans and runs exactly as before. Run the backward inside the block too:
 outside it the gradient is still right, but the backward ops gather the class dim.
 """
 
@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from .._ops._loss_parallel import loss_parallel_enabled
-from .._tensor._loss_parallel_impls import switch_loss_parallel
+from .._ops import active_modes, op_mode
+from .._ops._loss_parallel import LOSS_PARALLEL
 
 __all__ = ["loss_parallel"]
 
@@ -56,11 +56,8 @@ def loss_parallel() -> Iterator[None]:
     Blocks nest (the outermost one owns the mode). The mode is process-wide, like
     `set_strict`: it covers the autograd engine's threads as well.
     """
-    if loss_parallel_enabled():  # an outer block already turned it on
+    if LOSS_PARALLEL in active_modes():  # an outer block already turned it on
         yield
         return
-    switch_loss_parallel(True)
-    try:
+    with op_mode(LOSS_PARALLEL):
         yield
-    finally:
-        switch_loss_parallel(False)

@@ -20,7 +20,7 @@ from torch import nn
 from .._mesh import DeviceMesh, get_current_mesh
 from .._tensor import DTensor
 from ._distribute import Ties, distribute_module, place_parameter
-from ._plan import Layout, Sharder, ShardingPlan, ShardingPlanner, layout_to_placements, resolve
+from ._plan import PlanEntry, Sharder, ShardingPlan, ShardingPlanner, resolve, to_layout
 from ._style import ParallelStyle
 
 __all__ = ["shard_module", "parallelize_module"]
@@ -101,10 +101,10 @@ def _each_dtensor(out: Any, fn: Callable[[DTensor], Any], where: str) -> Any:
     return out
 
 
-def _output_layout_hook(path: str, layout: Layout, mesh: DeviceMesh) -> Callable[..., Any]:
+def _output_layout_hook(path: str, layout: PlanEntry, mesh: DeviceMesh) -> Callable[..., Any]:
     def move(t: DTensor) -> DTensor:
-        placements, order = layout_to_placements(layout, mesh, t.ndim)
-        return t.redistribute(mesh, placements, shard_order=order)
+        lay = to_layout(layout, mesh, t.ndim)
+        return t.redistribute(mesh, lay.placements, shard_order=lay.shard_order)
 
     return lambda _m, _args, out: _each_dtensor(out, move, f"output_plan[{path!r}]")
 

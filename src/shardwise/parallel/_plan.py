@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union, cast
 import torch
 from torch import nn
 
-from .._layout import ShardOrder, chunk_range, format_placements, normalize_placements, split_orders
+from .._layout import Layout, ShardOrder, chunk_range, format_placements, normalize_placements, split_orders
 from .._mesh import AbstractMesh
 from .._partition_spec import to_placements
 from .._placement import Placement
@@ -44,8 +44,9 @@ __all__ = ["ShardingPlan", "ShardingPlanner", "Sharder"]
 
 V = TypeVar("V")
 SpecEntry = Union[None, str, tuple[str, ...]]
-# Canonical layout: a tuple of placements (one per mesh dim) or a partition spec (one entry per tensor dim).
-Layout = tuple[Any, ...]
+# A plan's entry, canonical: a tuple of placements (one per mesh dim) or a partition spec
+# (one entry per tensor dim); `to_layout` turns it into the `PlanEntry` it names.
+PlanEntry = tuple[Any, ...]
 LayoutLike = Union[Placement, str, Sequence[Any]]
 
 
@@ -112,7 +113,7 @@ class ShardingPlan:
         problems: list[str] = []
         if not isinstance(self.plan, Mapping):
             raise TypeError(f"ShardingPlan(plan=...) must map names to layouts or Sharders, got {type(self.plan).__name__}")
-        plan: dict[str, Union[Layout, Sharder]] = {}
+        plan: dict[str, Union[PlanEntry, Sharder]] = {}
         for key, value in self.plan.items():
             if not isinstance(key, str):
                 problems.append(f"plan key {key!r} is not a str: name a parameter or a submodule")
@@ -120,7 +121,7 @@ class ShardingPlan:
                 plan[key] = value
             else:
                 plan[key] = _canonical_layout(value, f"plan[{key!r}]", problems)
-        outputs: Optional[dict[str, Layout]] = None
+        outputs: Optional[dict[str, PlanEntry]] = None
         if self.output_plan is not None:
             if not isinstance(self.output_plan, Mapping):
                 problems.append(f"output_plan must map module names to layouts, got {type(self.output_plan).__name__}")
@@ -159,7 +160,7 @@ class ShardingPlanner(abc.ABC):
 # -- layouts ------------------------------------------------------------------------------
 
 
-def _canonical_layout(value: Any, what: str, problems: list[str]) -> Layout:
+def _canonical_layout(value: Any, what: str, problems: list[str]) -> PlanEntry:
     if isinstance(value, Placement):
         return (value,)
     if isinstance(value, str):
@@ -188,7 +189,7 @@ def _canonical_layout(value: Any, what: str, problems: list[str]) -> Layout:
     return tuple(out)
 
 
-def is_placements(layout: Layout) -> bool:
+def is_placements(layout: PlanEntry) -> bool:
     return bool(layout) and isinstance(layout[0], Placement)
 
 
@@ -196,16 +197,15 @@ def _mesh_dim_label(mesh: AbstractMesh, m: int) -> str:
     return f"{mesh.mesh_dim_names[m]!r}" if mesh.mesh_dim_names else f"{m}"
 
 
-def layout_to_placements(layout: Layout, mesh: AbstractMesh, ndim: int) -> tuple[tuple[Placement, ...], ShardOrder]:
-    """Placements (normalized) and split order of `layout` for an `ndim`-D tensor; ValueError if invalid.
+def to_layout(layout: PlanEntry, mesh: AbstractMesh, ndim: int) -> Layout:
+    """The layout (placements normalized, split order) `layout` names for an `ndim`-D tensor; ValueError if invalid.
 
     A partition spec goes through `shardwise._partition_spec.to_placements`, the one
     conversion every partition-spec API uses (missing trailing entries are None).
     """
     if is_placements(layout):
-        pl = normalize_placements(layout, mesh.ndim, ndim)
-        return pl, ()
-    return to_placements(layout, mesh.shape, mesh.mesh_dim_names, ndim, exact_length=False)
+        return Layout(normalize_placements(layout, mesh.ndim, ndim))
+    return Layout(*to_placements(layout, mesh.shape, mesh.mesh_dim_names, ndim, exact_length=False))
 
 
 def _empty_pieces(shape: Sequence[int], pl: Sequence[Placement], order: ShardOrder, mesh: AbstractMesh) -> list[str]:
@@ -240,7 +240,7 @@ class ResolvedPlan:
 
     params: tuple[tuple[str, tuple[Placement, ...], ShardOrder], ...]  # parameter name, placements, split order
     sharders: tuple[tuple[str, Sharder], ...]  # module path, sharder
-    outputs: tuple[tuple[str, Layout], ...]  # module path, output layout
+    outputs: tuple[tuple[str, PlanEntry], ...]  # module path, output layout
     local: tuple[str, ...]  # module paths
 
 
@@ -269,9 +269,10 @@ def resolve(plan: ShardingPlan, module: nn.Module, mesh: AbstractMesh) -> Resolv
     param_out: list[tuple[str, tuple[Placement, ...], ShardOrder]] = []
     sharder_out: list[tuple[str, Sharder]] = []
 
-    def claim(name: str, source: str, p: torch.Tensor, layout: Layout) -> Optional[tuple[tuple[Placement, ...], ShardOrder]]:
+    def claim(name: str, source: str, p: torch.Tensor, layout: PlanEntry) -> Optional[tuple[tuple[Placement, ...], ShardOrder]]:
         try:
-            pl, order = layout_to_placements(layout, mesh, p.ndim)
+            lay = to_layout(layout, mesh, p.ndim)
+            pl, order = lay.placements, lay.shard_order
         except (ValueError, TypeError) as exc:
             problems.append(f"{name} (shape {tuple(p.shape)}): {exc}")
             return None
@@ -303,7 +304,7 @@ def resolve(plan: ShardingPlan, module: nn.Module, mesh: AbstractMesh) -> Resolv
                                           "one parameter, so name it (e.g. '<module>.weight') or give the module a "
                                           "Sharder such as ColwiseParallel()", module))
             for name in hits:
-                got = claim(name, f"plan[{key!r}]", params[name], cast(Layout, value))
+                got = claim(name, f"plan[{key!r}]", params[name], cast(PlanEntry, value))
                 if got is not None:
                     param_out.append((name, *got))
 
@@ -315,9 +316,9 @@ def resolve(plan: ShardingPlan, module: nn.Module, mesh: AbstractMesh) -> Resolv
                 f"parameter is one tensor, so give it one layout"
             )
 
-    outputs: list[tuple[str, Layout]] = []
+    outputs: list[tuple[str, PlanEntry]] = []
     for key, layout_like in (plan.output_plan or {}).items():
-        layout = cast(Layout, layout_like)
+        layout = cast(PlanEntry, layout_like)
         hits = [path for path in modules if match(key, path)]
         if not hits:
             problems.append("output_plan: " + _no_match(key, "submodule", list(modules), [], "", module))
@@ -339,14 +340,14 @@ def resolve(plan: ShardingPlan, module: nn.Module, mesh: AbstractMesh) -> Resolv
     return ResolvedPlan(tuple(param_out), tuple(sharder_out), tuple(outputs), tuple(local))
 
 
-def _output_layout_problems(layout: Layout, mesh: AbstractMesh) -> list[str]:
+def _output_layout_problems(layout: PlanEntry, mesh: AbstractMesh) -> list[str]:
     """What can be checked of an output layout before the output's rank is known."""
     if is_placements(layout):
         if len(layout) != mesh.ndim:
             return [f"{format_placements(layout)} has {len(layout)} placements but the mesh has {mesh.ndim} dims: give one per mesh dim"]
         return []
     try:
-        layout_to_placements(layout, mesh, len(layout))
+        to_layout(layout, mesh, len(layout))
     except ValueError as exc:
         return [str(exc)]
     return []

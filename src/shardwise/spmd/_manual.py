@@ -34,20 +34,18 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from .. import _comm as comm
-from .._layout import ShardOrder, contiguous_strides, local_shape_and_offset, split_orders
+from .._layout import Layout, ShardOrder, contiguous_strides, local_shape_and_offset, split_orders
 from .._mesh import DeviceMesh
 from .._partition_spec import MeshAxis, PartitionSpecLike
 from .._placement import Partial, Placement, Replicate
 from .._tensor import DTensor
-from .._tensor._dtensor import _ToLocal
+from .._tensor._autograd import to_local
 from ._mark import device_mesh_of, layout_of, replicated
 
 __all__ = ["enable_manual_sharding", "disable_manual_sharding", "shard_map", "psum"]
 
 # The mesh of the shard_map whose function is running (psum's default).
 _SCOPE: contextvars.ContextVar[Optional[DeviceMesh]] = contextvars.ContextVar("shardwise_shard_map_mesh", default=None)
-
-Layout = tuple[tuple[Placement, ...], ShardOrder]
 
 
 def _mesh_or_global(mesh: Any, what: str) -> DeviceMesh:
@@ -69,21 +67,18 @@ def _mesh_or_global(mesh: Any, what: str) -> DeviceMesh:
 
 def _to_manual(t: torch.Tensor, mesh: DeviceMesh, layout: Layout, what: str) -> torch.Tensor:
     """This rank's piece of `t` in `layout`; the gradient on unnamed mesh dims is summed."""
-    placements, order = layout
+    placements, order = layout.placements, layout.shard_order
     if isinstance(t, DTensor):
         if t.device_mesh != mesh:
             raise ValueError(f"{what}: a DTensor on {t.device_mesh!r} was given for {mesh!r}: use one mesh")
         laid = t.redistribute(mesh, placements, shard_order=order)
     else:
         laid = replicated(t, mesh).redistribute(mesh, placements, shard_order=order)
-    if not torch.is_grad_enabled():
-        return laid._local_tensor
     grads = tuple(
         Partial("sum") if isinstance(p, Replicate) and mesh.shape[m] > 1 else p for m, p in enumerate(placements)
     )
-    # `_ToLocal` with the split order kept (DTensor.to_local(grad_placements=) drops it)
-    grad_spec = laid._spec.with_placements(grads, laid._spec.shard_order)
-    return _ToLocal.apply(laid, grad_spec)  # type: ignore[no-untyped-call,no-any-return]
+    # the split order kept (DTensor.to_local(grad_placements=) drops it)
+    return to_local(laid, laid._spec.with_placements(grads, laid._spec.shard_order))
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -99,7 +94,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 def _from_manual(t: torch.Tensor, mesh: DeviceMesh, layout: Layout, shape: Sequence[int]) -> DTensor:
     """The DTensor whose piece here is `t`; the gradient on unnamed mesh dims is shared out."""
-    placements, order = layout
+    placements, order = layout.placements, layout.shard_order
     copies = math.prod(mesh.shape[m] for m, p in enumerate(placements) if isinstance(p, Replicate))
     if copies > 1 and t.requires_grad and torch.is_grad_enabled():
         t = _ScaleGrad.apply(t, 1.0 / copies)  # type: ignore[no-untyped-call]
@@ -138,7 +133,7 @@ def disable_manual_sharding(
     coordinate = dm.get_coordinate()
     if coordinate is None:
         raise ValueError(f"disable_manual_sharding: this rank is not in the mesh {dm!r}: call it on the mesh's ranks")
-    want = local_shape_and_offset(shape, dm.shape, layout[0], coordinate, layout[1])[0]
+    want = local_shape_and_offset(shape, dm.shape, layout.placements, coordinate, layout.shard_order)[0]
     if tuple(t.shape) != want:
         raise ValueError(
             f"disable_manual_sharding: the piece at mesh coordinate {tuple(coordinate)} has shape {tuple(t.shape)}, "
@@ -201,7 +196,7 @@ def _layouts(leaves: list[Leaf], mesh: DeviceMesh, what: str) -> list[Optional[L
 def _global_shapes(pieces: list[tuple[torch.Tensor, Layout]], mesh: DeviceMesh) -> list[tuple[int, ...]]:
     """Global shape of each output from every rank's piece: one small all-gather of the piece
     shapes when any output is split (pieces may be uneven, so sizes cannot be inferred locally)."""
-    if not any(split_orders(placements) for _, (placements, _) in pieces):
+    if not any(split_orders(lay.placements) for _, lay in pieces):
         return [tuple(t.shape) for t, _ in pieces]
     rows = comm.gather_over_mesh([s for t, _ in pieces for s in t.shape], mesh.get_all_groups(), mesh.shape)
     coords = list(itertools.product(*(range(n) for n in mesh.shape)))  # row-major, as gathered
@@ -209,7 +204,8 @@ def _global_shapes(pieces: list[tuple[torch.Tensor, Layout]], mesh: DeviceMesh) 
     shapes: list[tuple[int, ...]] = []
     problems: list[str] = []
     start = 0
-    for i, (t, (placements, order)) in enumerate(pieces):
+    for i, (t, lay) in enumerate(pieces):
+        placements, order = lay.placements, lay.shard_order
         held = {c: tuple(r[start : start + t.ndim]) for c, r in zip(coords, rows)}
         start += t.ndim
         gshape = list(t.shape)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._layout import ShardOrder, contiguous_strides
+from .._layout import Layout, ShardOrder, contiguous_strides
 from .._mesh import DeviceMesh
 from .._partition_spec import PartitionSpecLike, to_placements
 from .._placement import Placement, Replicate
@@ -57,10 +57,10 @@ def device_mesh_of(mesh: object, what: str) -> DeviceMesh:
 
 def layout_of(
     spec: PartitionSpecLike, mesh: DeviceMesh, ndim: int, what: str, *, exact_length: bool = True
-) -> tuple[tuple[Placement, ...], ShardOrder]:
-    """Placements and split order of a partition spec, errors prefixed with `what`."""
+) -> Layout:
+    """The layout a partition spec names, errors prefixed with `what`."""
     try:
-        return to_placements(spec, mesh.shape, mesh.mesh_dim_names, ndim, exact_length=exact_length)
+        return Layout(*to_placements(spec, mesh.shape, mesh.mesh_dim_names, ndim, exact_length=exact_length))
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
     except TypeError as exc:
@@ -126,7 +126,8 @@ def mark_sharding(t: torch.Tensor, mesh: Any, partition_spec: PartitionSpecLike)
     """
     t = _check_tensor(t, "mark_sharding")
     dm = device_mesh_of(mesh, "mark_sharding")
-    placements, order = layout_of(partition_spec, dm, t.ndim, "mark_sharding")
+    lay = layout_of(partition_spec, dm, t.ndim, "mark_sharding")
+    placements, order = lay.placements, lay.shard_order
     if isinstance(t, nn.Parameter):
         if isinstance(t, DTensor) and t._spec.placements == placements and t._spec.shard_order == order:
             _check_mesh(t, dm, "mark_sharding")
@@ -171,7 +172,8 @@ def mark_sharding_module(module: nn.Module, mesh: Any, partition_specs: Mapping[
             continue
         param = params[name]
         try:
-            placements, order = layout_of(spec, dm, param.ndim, f"partition_specs[{name!r}]")
+            lay = layout_of(spec, dm, param.ndim, f"partition_specs[{name!r}]")
+            placements, order = lay.placements, lay.shard_order
         except (ValueError, TypeError) as exc:
             problems.append(str(exc))
             continue
@@ -225,7 +227,8 @@ def mark_sharding_with_gradients(t: torch.Tensor, mesh: Any, partition_spec: Par
     """
     t = _check_tensor(t, "mark_sharding_with_gradients")
     dm = device_mesh_of(mesh, "mark_sharding_with_gradients")
-    placements, order = layout_of(partition_spec, dm, t.ndim, "mark_sharding_with_gradients")
+    lay = layout_of(partition_spec, dm, t.ndim, "mark_sharding_with_gradients")
+    placements, order = lay.placements, lay.shard_order
     if isinstance(t, DTensor):
         _check_mesh(t, dm, "mark_sharding_with_gradients")
         source = t._spec

@@ -1,0 +1,107 @@
+"""The differentiable conversions: `from_local`, `to_local` and `redistribute` as autograd functions.
+
+A DTensor can live in only part of a model, so these carry gradients across the border
+between local and global and between layouts: what flows back through each is the
+single-device gradient, redistributed to the layout the other side expects.
+
+| function | forward | backward |
+|---|---|---|
+| `FromLocal` | a local piece becomes a DTensor of `spec` | the gradient in `spec`'s layout (Partial as Replicate); a P(avg) term's is 1/n of it |
+| `ToLocal` | a DTensor's piece as a plain tensor | the plain gradient as a DTensor of `grad_spec` |
+| `Redistribute` | the DTensor in another layout (optionally in the background) | the gradient moved back to the source layout (Partial as Replicate) |
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from .._placement import Partial, Replicate
+from .._spec import DTensorSpec
+from ._async import adopt, redistribute_async, resolve
+from ._redistribute import redistribute_local
+from ._wrap import DTensorBase, wrap
+
+__all__ = ["FromLocal", "Redistribute", "ToLocal", "grad_target"]
+
+
+def grad_target(spec: DTensorSpec) -> DTensorSpec:
+    """Layout a gradient must take to flow back to an input of layout `spec`.
+
+    The gradient of every term of a Partial sum is the full gradient, so Partial -> Replicate.
+    """
+    if not spec.has_partial():
+        return spec
+    return spec.with_placements(
+        tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements), spec.shard_order
+    )
+
+
+def _grad_to(grad: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """Local piece of `grad` (a DTensor) in the layout `spec` wants."""
+    assert isinstance(grad, DTensorBase)
+    return redistribute_local(resolve(grad._local_tensor), grad._spec, grad_target(spec))
+
+
+class Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: DTensorBase, target: DTensorSpec, async_op: bool = False) -> Any:
+        ctx.src_spec = x._spec
+        if async_op:
+            pending = redistribute_async(x._local_tensor, x._spec, target)
+            out = wrap(pending, target, x.requires_grad)
+            adopt(pending, out)
+            return out
+        local = redistribute_local(resolve(x._local_tensor), x._spec, target)
+        return wrap(local, target, x.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:
+        spec = ctx.src_spec
+        return wrap(_grad_to(grad, spec), grad_target(spec)), None, None
+
+
+class ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: DTensorBase, grad_spec: DTensorSpec) -> torch.Tensor:
+        ctx.grad_spec = grad_spec
+        local = x._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
+        if isinstance(grad, DTensorBase):
+            # the local tensor went on as a plain tensor counted as replicated (implicit
+            # replication): its gradient is a DTensor whose full value is this rank's piece's
+            whole = grad._spec.with_placements((Replicate(),) * grad._spec.mesh.ndim)
+            grad = redistribute_local(resolve(grad._local_tensor), grad._spec, whole)
+        return wrap(grad, ctx.grad_spec), None
+
+
+class FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> Any:
+        ctx.spec = spec
+        return wrap(local.view_as(local), spec, local.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # each rank's piece is one term of a Partial: a Partial("avg") over n ranks counts
+        # it 1/n, so its gradient is the full gradient / n (a "sum" term's is the full one)
+        spec = ctx.spec
+        local = _grad_to(grad, spec)
+        n = math.prod(size for size, p in zip(spec.mesh.shape, spec.placements)
+                      if isinstance(p, Partial) and p.reduce_op == "avg")
+        return (local / n if n > 1 else local), None
+
+
+def to_local(x: DTensorBase, grad_spec: Optional[DTensorSpec] = None) -> torch.Tensor:
+    """`x`'s piece, differentiable when grad mode is on (the gradient comes back in `grad_spec`)."""
+    if not torch.is_grad_enabled():
+        return x._local_tensor
+    return ToLocal.apply(x, grad_spec or x._spec)  # type: ignore[no-untyped-call,no-any-return]
+
+
+__all__ += ["to_local"]

@@ -1,0 +1,203 @@
+"""Dispatch plans: what one op call does, worked out once per cache key and run on every call.
+
+Each plan is a small frozen value with its own `run(args, kwargs)`:
+
+| plan | for | a call runs |
+|---|---|---|
+| `LeanPlan` | top-level DTensor arguments, the aten op itself on the pieces, fresh outputs | unwrap, move what must move, the C op, wrap |
+| `GeneralPlan` | nested arguments, local implementations, in-place and out= ops, outputs known only after the run | the same, then moved arguments written back, self re-laid out, written arguments returned |
+| `DecomposedPlan` | an op without a rule whose PyTorch decomposition has pieces with rules | the decomposition (its ops dispatched one by one) |
+
+Every move is a `Move` (plan and this rank's program) made when the plan was made, so a
+call only runs programs; every output goes through `wrap`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from .._mesh import AbstractMesh
+from .._ops import LocalCall, LocalFn
+from .._placement import Replicate
+from .._redistribute import run_program
+from .._spec import DTensorSpec, TensorMeta
+from ._redistribute import Move
+from ._runtime import RUNTIME
+from ._wrap import DTENSOR_CLASSES, DTensorBase, Wrapper, rewrap, wrap
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+__all__ = ["DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "Plan", "implicit_replication", "implicit"]
+
+# Where a DTensor input sits: (positional index or keyword name, index in a list or None).
+Location = tuple[Union[int, str], Optional[int]]
+
+_IMPLICIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_implicit_replication", default=False)
+
+
+@contextlib.contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Inside this block, a plain tensor mixed with DTensors counts as replicated on their mesh.
+
+    Use it for tensors that really are the same on every rank (a mask, a position table);
+    outside it, mixing them is an error, because a rank-local tensor would be silently
+    treated as global. One-element tensors (shape `()`, `(1,)`, `(1, 1)`) always count as
+    replicated, as scalars do.
+    """
+    token = _IMPLICIT.set(True)
+    try:
+        yield
+    finally:
+        _IMPLICIT.reset(token)
+
+
+def implicit() -> bool:
+    """Whether `implicit_replication()` is on."""
+    return _IMPLICIT.get()
+
+
+def _piece(a: Any, move: Optional[Move]) -> torch.Tensor:
+    """This rank's piece of argument `a` (a DTensor, or a plain tensor counted as replicated),
+    moved by `move` when it must be."""
+    local = a._local_tensor if a.__class__ in DTENSOR_CLASSES or isinstance(a, DTensorBase) else a
+    return local if move is None else run_program(move.program, local)
+
+
+@dataclass(frozen=True, slots=True)
+class LeanPlan:
+    """Unwrap, move, call the C op, wrap: nothing else."""
+
+    call: Callable[..., Any]  # the OpOverload's C op
+    unwrap: tuple[int, ...]  # positions whose piece is used as it is
+    moved: tuple[tuple[int, Move], ...]  # positions moved first
+    shape_arg: Optional[int]  # argument rewritten to output 0's local shape
+    local_shape: Optional[list[int]]
+    outputs: tuple[Wrapper, ...]  # one per output
+    single: bool  # one output (not a tuple of one)
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        local_args = list(args)
+        for k in self.unwrap:
+            local_args[k] = args[k]._local_tensor
+        for k, move in self.moved:
+            local_args[k] = _piece(args[k], move)
+        if self.shape_arg is not None:
+            local_args[self.shape_arg] = self.local_shape
+        out = self.call(*local_args, **kwargs)
+        if self.single:  # `Wrapper.__call__`, inlined: one call less on every op
+            w = self.outputs[0]
+            r: Any = _make_wrapper(w.cls, w.shape, strides=w.stride, dtype=w.dtype, device=out.device, layout=out.layout)
+            r._local_tensor = out
+            r._spec = w.spec
+            return r
+        return tuple([w(o) for o, w in zip(out, self.outputs)])
+
+
+def _get(args: Any, kwargs: dict[str, Any], loc: Location) -> Any:
+    key, j = loc
+    value = args[key] if isinstance(key, int) else kwargs[key]
+    return value if j is None else value[j]
+
+
+@dataclass(frozen=True, slots=True)
+class GeneralPlan:
+    """Everything the lean plan skips: nested arguments, local implementations, written
+    arguments, relayout, outputs described after the run."""
+
+    func: Any
+    moves: tuple[tuple[Location, Optional[Move]], ...]  # every DTensor input, and how it moves
+    flat: bool  # every DTensor input is a top-level positional argument
+    outputs: Union[DTensorSpec, tuple[Optional[DTensorSpec], ...], None]
+    shape_arg: Optional[int]
+    local_shape: Optional[list[int]]
+    local: Optional[LocalFn]  # run instead of the aten op
+    input_specs: tuple[DTensorSpec, ...]  # each DTensor input's spec as the op runs (for `local`)
+    resolve: bool  # the op returns a lazy conj/neg view: materialize it
+    dynamic_mesh: Optional[AbstractMesh]  # outputs described after the run (replicated)
+    writebacks: tuple[tuple[Location, Move], ...]  # moved written arguments, and the move back
+    relayout: Optional[DTensorSpec]  # self takes this layout (squeeze_)
+    returns: Optional[tuple[Location, ...]]  # in-place / out=: return these inputs
+    returns_nothing: bool  # a `-> ()` op
+
+    def _unwrap(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        if self.flat:
+            local_args = list(args)
+            for (k, _), move in self.moves:
+                local_args[k] = _piece(args[k], move)  # type: ignore[index]
+            return local_args, kwargs
+        local_args = [list(a) if isinstance(a, (list, tuple)) else a for a in args]
+        local_kwargs = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
+        for (key, j), move in self.moves:
+            holder: Any = local_args if isinstance(key, int) else local_kwargs
+            value = _piece(_get(args, kwargs, (key, j)), move)
+            if j is None:
+                holder[key] = value
+            else:
+                holder[key][j] = value
+        return local_args, local_kwargs
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        local_args, local_kwargs = self._unwrap(args, kwargs)
+        if self.shape_arg is not None:
+            local_args[self.shape_arg] = self.local_shape
+        if self.local is None:
+            out = self.func(*local_args, **local_kwargs)
+        else:
+            call = LocalCall(self.func, local_args, local_kwargs, self.input_specs, self.outputs, RUNTIME)
+            out = self.local(call)
+            local_args = call.args  # a local implementation may replace an argument (a re-laid copy)
+        if self.resolve:
+            out = out.resolve_conj().resolve_neg()
+        if self.dynamic_mesh is not None:
+            return _wrap_replicated(out, self.dynamic_mesh)
+        for loc, back in self.writebacks:
+            owner = _get(args, kwargs, loc)
+            owner._local_tensor.copy_(run_program(back.program, _get(local_args, local_kwargs, loc)))
+        if self.relayout is not None:
+            rewrap(args[0], out if isinstance(out, torch.Tensor) else local_args[0], self.relayout)
+        if self.returns is not None:
+            if self.returns_nothing:  # `-> ()` ops must return None to torch
+                return None
+            returned = [_get(args, kwargs, loc) for loc in self.returns]
+            return returned[0] if len(returned) == 1 else tuple(returned)
+        return _wrap_outputs(out, self.outputs)
+
+
+@dataclass(frozen=True, slots=True)
+class DecomposedPlan:
+    """Run PyTorch's decomposition of the op: its pieces have rules, so it runs sharded."""
+
+    decompose: Callable[..., Any]
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Tensors a decomposition creates come from global shapes and scalars: the same on
+        # every rank, so they count as replicated.
+        with implicit_replication():
+            return self.decompose(*args, **kwargs)
+
+
+Plan = Union[LeanPlan, GeneralPlan, DecomposedPlan]
+
+
+def _wrap_replicated(out: Any, mesh: AbstractMesh) -> Any:
+    """Wrap the outputs of a replicated run whose shapes were only known after it."""
+    if isinstance(out, torch.Tensor):
+        meta = TensorMeta(out.shape, tuple(out.stride()), out.dtype)
+        return wrap(out, DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta))
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap_replicated(o, mesh) for o in out)
+    return out
+
+
+def _wrap_outputs(out: Any, spec: Any) -> Any:
+    if isinstance(spec, DTensorSpec):
+        return wrap(out, spec)
+    if isinstance(spec, tuple):
+        return tuple(_wrap_outputs(o, s) for o, s in zip(out, spec))
+    return out
