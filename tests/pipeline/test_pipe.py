@@ -156,9 +156,9 @@ def test_transparency_with_dropout_is_exact_per_micro_batch(balance: list[int], 
 def test_skip_layout_of_the_skip_model() -> None:
     pipe = Pipe(skip_model(), [1, 1, 1, 1], devices=["cpu"] * 4)
     a, b = pipe[1].namespaces["x"], pipe[2].namespaces["x"]
-    assert [list(pipe.skip_layout.copy_policy(j)) for j in range(4)] == \
+    assert [list(pipe.skip_routes.copy_policy(j)) for j in range(4)] == \
         [[], [(0, a, "x")], [], [(0, None, "long"), (2, b, "x")]]
-    assert str(pipe.skip_layout) == (
+    assert str(pipe.skip_routes) == (
         "3 skips over 4 partitions:\n"
         "  'x' in <Namespace 'a'>: stashed in partition 0 (layer '0'), popped in partition 1 (layer '1')\n"
         "  'long': stashed in partition 0 (layer '0'), popped in partition 3 (layer '3'), skips partitions 1, 2\n"
@@ -724,7 +724,7 @@ def test_unet_trains_five_steps_like_the_single_process_model(checkpoint: str) -
     reference = copy.deepcopy(model)
     x, y = torch.randn(6, 1, 8, 8), torch.randn(6, 1, 8, 8)
     pipe = Pipe(model, [2, 2, 2, 1], devices=["cpu"] * 4, chunks=3, checkpoint=checkpoint)
-    assert [r.skipped_partitions for r in pipe.skip_layout.routes] == [range(1, 2), range(2, 2)]
+    assert [r.skipped_partitions for r in pipe.skip_routes.routes] == [range(1, 2), range(2, 2)]
 
     losses = _train(pipe, x, y, 5)
     ref_losses = _train(reference, x, y, 5)

@@ -239,7 +239,7 @@ def test_one_microbatch_is_bit_for_bit_the_plain_module() -> None:
 
 
 def test_channel_numbers_do_not_depend_on_namespace_ids() -> None:
-    # Regression: channels were numbered in SkipLayout.routes order, which sorts namespaces by
+    # Regression: channels were numbered in SkipRoutes.routes order, which sorts namespaces by
     # their random ids; two processes could then send 'x' in a on the channel where the other
     # expected 'x' in b (both skips from stage 0 to stage 1) and train on swapped skips.
     def plan(first: int, second: int) -> tuple[list[str], list[tuple[Any, ...]]]:

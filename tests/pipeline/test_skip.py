@@ -22,7 +22,7 @@ from shardwise.pipeline._stream import CPU_STREAM
 from shardwise.pipeline.skip import (
     Namespace,
     Portal,
-    SkipLayout,
+    SkipRoutes,
     SkipRoute,
     SkipTracker,
     SkipTrackerThroughPortals,
@@ -34,7 +34,7 @@ from shardwise.pipeline.skip import (
     use_skip_tracker,
     verify_skippables,
 )
-from shardwise.pipeline.skip import _layout, _namespace, _skippable, _verify
+from shardwise.pipeline.skip import _namespace, _routes, _skippable, _verify
 
 
 # -- layers used below ------------------------------------------------------------------
@@ -76,12 +76,12 @@ class StashPopFoo(nn.Module):
 
 def test_public_surface_of_skip_package() -> None:
     assert set(skip_pkg.__all__) >= {"skippable", "stash", "pop", "Namespace", "verify_skippables",
-                                     "inspect_skip_layout", "SkipLayout", "use_skip_tracker", "current_skip_tracker"}
+                                     "inspect_skip_layout", "SkipRoutes", "use_skip_tracker", "current_skip_tracker"}
     for name in skip_pkg.__all__:
         assert hasattr(skip_pkg, name), name
 
 
-@pytest.mark.parametrize("module", [_namespace, _skippable, _layout, _verify], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [_namespace, _skippable, _routes, _verify], ids=lambda m: m.__name__)
 def test_skip_module_doctests_pass(module: Any) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
@@ -434,7 +434,7 @@ def test_layout_keeps_namespaces_apart() -> None:
 
 
 def test_unknown_skip_requires_no_copy() -> None:
-    layout = SkipLayout(2, [SkipRoute(None, "foo", 0, 1)])
+    layout = SkipRoutes(2, [SkipRoute(None, "foo", 0, 1)])
     assert layout.requires_copy(None, "foo") and not layout.requires_copy(None, "bar")
 
 

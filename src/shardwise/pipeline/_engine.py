@@ -37,7 +37,7 @@ from ._schedule import clock_cycles
 from ._stream import AbstractStream, Copy, Wait, current_stream, use_device
 from ._timeline import Timeline, current_timeline
 from ._worker import ExcInfo, InQueue, OutQueue, Task, spawn_workers
-from .skip._layout import SkipLayout
+from .skip._routes import SkipRoutes
 from .skip._tracker import SkipTrackerThroughPortals, use_skip_tracker
 
 __all__ = ["Pipeline"]
@@ -57,17 +57,17 @@ class Pipeline:
     """Runs `partitions` (partition `j` on `devices[j]`) over micro-batches, in place."""
 
     def __init__(self, partitions: Sequence[nn.Sequential], devices: Sequence[torch.device],
-                 copy_streams: Sequence[Sequence[AbstractStream]], skip_layout: SkipLayout,
+                 copy_streams: Sequence[Sequence[AbstractStream]], skip_routes: SkipRoutes,
                  checkpoint_stop: int) -> None:
         self.partitions = partitions
         self.devices = devices
         self.copy_streams = copy_streams
-        self.skip_layout = skip_layout
+        self.skip_routes = skip_routes
         self.checkpoint_stop = checkpoint_stop
 
     def run(self, batches: list[Batch]) -> None:
         """Run every micro-batch through every partition; `batches[i]` becomes `i`'s output."""
-        trackers = [SkipTrackerThroughPortals(self.skip_layout) for _ in batches]
+        trackers = [SkipTrackerThroughPortals(self.skip_routes) for _ in batches]
         with spawn_workers(self.devices) as (in_queues, out_queues):
             for schedule in clock_cycles(len(batches), len(self.partitions)):
                 self.fence(batches, schedule, trackers)
@@ -80,7 +80,7 @@ class Pipeline:
                 # batches[i-1] still holds partition j's output of micro-batch i-1 here.
                 depend(batches[i - 1], batches[i])
             next_stream = self.copy_streams[j][i]
-            for prev_j, ns, name in self.skip_layout.copy_policy(j):
+            for prev_j, ns, name in self.skip_routes.copy_policy(j):
                 trackers[i].copy(batches[i], self.copy_streams[prev_j][i], next_stream, ns, name)
             if j != 0:
                 _copy(batches[i], self.copy_streams[j - 1][i], next_stream)

@@ -33,7 +33,7 @@ from ._batchnorm import DeferredBatchNorm
 from ._engine import Pipeline
 from ._microbatch import BatchValue, check, gather, scatter
 from ._stream import AbstractStream, new_stream
-from .skip._layout import SkipLayout, inspect_skip_layout
+from .skip._routes import SkipRoutes, inspect_skip_layout
 from .skip._verify import verify_skippables
 
 __all__ = ["Pipe"]
@@ -184,7 +184,7 @@ class Pipe(nn.Module):
             part = nn.Sequential(OrderedDict(next(layers) for _ in range(size)))
             partitions.append(part.to(device))
         self.partitions = nn.ModuleList(partitions)
-        self.skip_layout: SkipLayout = inspect_skip_layout(partitions)
+        self.skip_routes: SkipRoutes = inspect_skip_layout(partitions)
         self._copy_streams: list[list[AbstractStream]] = []
 
     # -- Sequential-like access to the layers -----------------------------------------------
@@ -237,7 +237,7 @@ class Pipe(nn.Module):
         batches = scatter(input, self.chunks)
         m = len(batches)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
-        Pipeline(self._parts(), self.devices, self._ensure_copy_streams(m), self.skip_layout,
+        Pipeline(self._parts(), self.devices, self._ensure_copy_streams(m), self.skip_routes,
                  stop).run(batches)
         if self.training:
             for layer in self.modules():

@@ -50,7 +50,7 @@ from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleIn
 from ._stage import PipelineStage, split_module
 from ._step import StepRun
 from ._wire import ChannelPlan, PipelineError, RemoteFailure, Wire
-from .skip._layout import inspect_skip_layout
+from .skip._routes import inspect_skip_layout
 
 __all__ = ["DistributedPipe", "PipelineError"]
 
@@ -110,7 +110,7 @@ class DistributedPipe(nn.Module):
         self.rank = dist.get_rank()
         self.pp_rank = mesh.get_local_rank(pp_dim)
         pp_ranks = mesh.ranks_along(pp_dim)
-        self.skip_layout = inspect_skip_layout(partitions)  # every partition's declarations, once
+        self.skip_routes = inspect_skip_layout(partitions)  # every partition's declarations, once
         local = self.schedule.rank_stages(self.pp_rank)
         mine = {j: partitions[j].to(self.device) for j in local}
         self.partitions = nn.ModuleDict({str(j): part for j, part in mine.items()})
@@ -118,7 +118,7 @@ class DistributedPipe(nn.Module):
         self.num_stages = len(balance)
         del partitions, mine  # the other ranks' layers are not kept here
 
-        self.plan = ChannelPlan(self.num_stages, self.skip_layout,
+        self.plan = ChannelPlan(self.num_stages, self.skip_routes,
                                 [pp_ranks[self.schedule.stage_rank(s)] for s in range(self.num_stages)])
         self._group = _p2p_group(mesh, mesh.mesh_dim_index(pp_dim))
         self._wire = Wire(self._group, self.device, len(self.plan.channels))

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from ._checkpoint import Checkpointing
 from ._microbatch import Batch, BatchValue
 from ._pipe import check_arguments
-from .skip._layout import SkipLayout
+from .skip._routes import SkipRoutes
 from .skip._namespace import Namespace
 from .skip._portal import Portal
 from .skip._tracker import SkipKey, SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
@@ -56,8 +56,8 @@ class SkipTrackerThroughRanks(SkipTrackerThroughPortals):
     before the stashing stage's backward.
     """
 
-    def __init__(self, skip_layout: SkipLayout) -> None:
-        super().__init__(skip_layout)
+    def __init__(self, skip_routes: SkipRoutes) -> None:
+        super().__init__(skip_routes)
         self.outbox: list[tuple[SkipKey, Optional[Tensor]]] = []
         self.inbox: dict[SkipKey, Optional[Tensor]] = {}
 
@@ -68,7 +68,7 @@ class SkipTrackerThroughRanks(SkipTrackerThroughPortals):
         return Portal(tensor, 1)
 
     def load(self, batch: Batch, ns: Optional[Namespace], name: str) -> Optional[Tensor]:
-        if not self.skip_layout.requires_copy(ns, name):
+        if not self.skip_routes.requires_copy(ns, name):
             return SkipTracker.load(self, batch, ns, name)
         return self.inbox[(ns, name)]  # KeyError: never delivered, which the layer reports
 

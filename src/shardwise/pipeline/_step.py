@@ -33,7 +33,7 @@ class StepRun:
     def __init__(self, pipe: DistributedPipe, *, train: bool) -> None:
         self.pipe, self.train = pipe, train
         m = pipe.schedule.num_microbatches
-        self.trackers = [SkipTrackerThroughRanks(pipe.skip_layout) for _ in range(m)]
+        self.trackers = [SkipTrackerThroughRanks(pipe.skip_routes) for _ in range(m)]
         self.batches: list[Batch] = []
         self.targets: list[Any] = []
         self.weights: list[float] = [1.0 / m] * m

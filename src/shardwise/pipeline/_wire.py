@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import _comm as comm
 from ._schedule import Action
-from .skip._layout import SkipLayout
+from .skip._routes import SkipRoutes
 from .skip._namespace import Namespace
 from .skip._tracker import SkipKey
 
@@ -79,11 +79,11 @@ class ChannelPlan:
     activations `s -> s+1`, gradients `s+1 -> s`, and for each skip that crosses stages one
     channel from its stash stage to its pop stage and one back. Numbered the same way on
     every process (tags depend on it), so skips are ordered by where they are stashed and
-    popped, never by namespace: `SkipLayout.routes` sorts namespaces by their ids, which are
+    popped, never by namespace: `SkipRoutes.routes` sorts namespaces by their ids, which are
     random per process.
 
-    >>> from shardwise.pipeline.skip import SkipLayout, SkipRoute
-    >>> plan = ChannelPlan(3, SkipLayout(3, [SkipRoute(None, "x", 0, 2)]), rank_of=[0, 1, 2])
+    >>> from shardwise.pipeline.skip import SkipRoutes, SkipRoute
+    >>> plan = ChannelPlan(3, SkipRoutes(3, [SkipRoute(None, "x", 0, 2)]), rank_of=[0, 1, 2])
     >>> for c in plan.channels:
     ...     print(c.index, c.label(0))
     0 the activation of micro-batch 0 (stage 0 -> 1)
@@ -96,7 +96,7 @@ class ChannelPlan:
     [0, 4]
     """
 
-    def __init__(self, num_stages: int, layout: SkipLayout, rank_of: Sequence[int]) -> None:
+    def __init__(self, num_stages: int, layout: SkipRoutes, rank_of: Sequence[int]) -> None:
         self.channels: list[Channel] = []
         self.num_stages = num_stages
         crossing = sorted((r for r in layout.routes if r.stash_partition != r.pop_partition),

@@ -6,7 +6,7 @@
 the routes a `Pipe` uses; trackers say where a skip waits (`use_skip_tracker`).
 """
 
-from ._layout import SkipLayout, SkipRoute, inspect_skip_layout
+from ._routes import SkipRoutes, SkipRoute, inspect_skip_layout
 from ._namespace import Namespace
 from ._portal import Portal
 from ._skippable import Skippable, pop, skippable, stash
@@ -16,7 +16,7 @@ from ._verify import verify_skippables
 __all__ = [
     "Namespace",
     "Portal",
-    "SkipLayout",
+    "SkipRoutes",
     "SkipRoute",
     "SkipTracker",
     "SkipTrackerThroughPortals",

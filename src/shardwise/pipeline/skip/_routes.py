@@ -1,11 +1,12 @@
-"""`SkipLayout`: which partition stashes and which pops each skip, and the copies that implies.
+"""`SkipRoutes`: which partition stashes and which pops each skip, and the copies that implies.
 
 `Pipe` plans skip routes once, from the declarations of the partitions' layers: a
 skip stashed in partition `j` and popped in partition `j'` is copied straight from
 `j`'s device to `j'`'s right before `j'` runs, and nowhere else. `copy_policy(j')`
 lists those copies in order of source partition (a fixed order, so copies are issued
 the same way on every run); a skip popped in the partition that stashed it needs no
-copy. `str(layout)` prints the routes for people.
+copy. `str(routes)` prints them for people. (`inspect_skip_layout` keeps torchgpipe's name;
+"layout" elsewhere in shardwise means how a tensor lies on a mesh.)
 
 >>> from torch import nn
 >>> from shardwise.pipeline.skip import skippable, stash, pop
@@ -19,10 +20,10 @@ copy. `str(layout)` prints the routes for people.
 ...     def forward(self, t):
 ...         x = yield pop("x")
 ...         return t + x
->>> layout = inspect_skip_layout([nn.Sequential(A()), nn.Sequential(nn.ReLU()), nn.Sequential(B())])
->>> list(layout.copy_policy(2))
+>>> routes = inspect_skip_layout([nn.Sequential(A()), nn.Sequential(nn.ReLU()), nn.Sequential(B())])
+>>> list(routes.copy_policy(2))
 [(0, None, 'x')]
->>> print(layout)
+>>> print(routes)
 1 skip over 3 partitions:
   'x': stashed in partition 0 (layer '0'), popped in partition 2 (layer '0'), skips partition 1
 """
@@ -38,7 +39,7 @@ from torch import nn
 from ._namespace import Namespace, sort_key
 from ._skippable import Skippable
 
-__all__ = ["SkipLayout", "SkipRoute", "inspect_skip_layout"]
+__all__ = ["SkipRoutes", "SkipRoute", "inspect_skip_layout"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def _place(verb: str, partition: int, layer: Optional[str]) -> str:
     return f"{verb} in partition {partition}" + ("" if layer is None else f" (layer '{layer}')")
 
 
-class SkipLayout:
+class SkipRoutes:
     """The routes of all skips of a partitioned model."""
 
     def __init__(self, num_partitions: int, routes: Iterable[SkipRoute]) -> None:
@@ -101,7 +102,7 @@ class SkipLayout:
         return self._by_key[(ns, name)]
 
     def __repr__(self) -> str:
-        return f"SkipLayout(num_partitions={self.num_partitions}, routes={list(self.routes)!r})"
+        return f"SkipRoutes(num_partitions={self.num_partitions}, routes={list(self.routes)!r})"
 
     def __str__(self) -> str:
         n = len(self.routes)
@@ -110,8 +111,9 @@ class SkipLayout:
         return head + (":\n" + "\n".join(f"  {r}" for r in self.routes) if n else "")
 
 
-def inspect_skip_layout(partitions: Sequence[nn.Module]) -> SkipLayout:
-    """Plan the skip routes of `partitions` (each an `nn.Sequential`, or a single layer)."""
+def inspect_skip_layout(partitions: Sequence[nn.Module]) -> SkipRoutes:
+    """Plan the skip routes of `partitions` (each an `nn.Sequential`, or a single layer);
+    torchgpipe's name."""
     stashed_at: dict[tuple[Optional[Namespace], str], tuple[int, str]] = {}
     routes: list[SkipRoute] = []
     for j, partition in enumerate(partitions):
@@ -125,4 +127,4 @@ def inspect_skip_layout(partitions: Sequence[nn.Module]) -> SkipLayout:
                     routes.append(SkipRoute(ns, name, prev_j, j, prev_layer, layer_name))
             for ns, name in layer.stashable():
                 stashed_at[(ns, name)] = (j, layer_name)
-    return SkipLayout(len(partitions), routes)
+    return SkipRoutes(len(partitions), routes)

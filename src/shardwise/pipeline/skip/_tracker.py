@@ -17,7 +17,7 @@ layer's output batch (attach autograd edges to `batch[batch.find_tensor_idx()]`)
 `load(batch, ns, name)` before the popping layer runs, with its input batch, returning
 the tensor (or `None`) and raising `KeyError` when nothing was stashed under that name;
 `copy(batch, prev_stream, next_stream, ns, name)` is called by the pipeline before
-partition `j` runs, once per route in `SkipLayout.copy_policy(j)`, with the batch
+partition `j` runs, once per route in `SkipRoutes.copy_policy(j)`, with the batch
 about to enter partition `j`.
 """
 
@@ -38,7 +38,7 @@ from ._namespace import Namespace
 from ._portal import Portal
 
 if TYPE_CHECKING:
-    from ._layout import SkipLayout
+    from ._routes import SkipRoutes
 
 __all__ = ["SkipTracker", "SkipTrackerThroughPortals", "current_skip_tracker", "use_skip_tracker"]
 
@@ -66,15 +66,15 @@ class SkipTracker:
 
 
 class SkipTrackerThroughPortals(SkipTracker):
-    """Routes skips that cross partitions of `skip_layout` through portals (one micro-batch)."""
+    """Routes skips that cross partitions of `skip_routes` through portals (one micro-batch)."""
 
-    def __init__(self, skip_layout: SkipLayout) -> None:
+    def __init__(self, skip_routes: SkipRoutes) -> None:
         super().__init__()
-        self.skip_layout = skip_layout
+        self.skip_routes = skip_routes
         self.portals: dict[SkipKey, Portal] = {}
 
     def save(self, batch: Batch, ns: Optional[Namespace], name: str, tensor: Optional[Tensor]) -> None:
-        if not self.skip_layout.requires_copy(ns, name):
+        if not self.skip_routes.requires_copy(ns, name):
             super().save(batch, ns, name, tensor)
             return
         portal = self.portals.get((ns, name))
@@ -94,7 +94,7 @@ class SkipTrackerThroughPortals(SkipTracker):
         return Portal(tensor, 3 if is_checkpointing() else 2)
 
     def load(self, batch: Batch, ns: Optional[Namespace], name: str) -> Optional[Tensor]:
-        if not self.skip_layout.requires_copy(ns, name):
+        if not self.skip_routes.requires_copy(ns, name):
             return super().load(batch, ns, name)
         portal = self.portals[(ns, name)]
         k = batch.find_tensor_idx()
