@@ -180,7 +180,7 @@ def _pieces(got: Any, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return got.full_tensor(), want
     coordinate = got.device_mesh.get_coordinate()
     assert coordinate is not None
-    return got._local_tensor, local_piece(want, tuple(got.device_mesh.shape), got.placements, coordinate, got.shard_order)
+    return got._local_tensor, local_piece(want, tuple(got.device_mesh.shape), got.placements, coordinate, dict(got.shard_order))
 
 
 def _same(got: Any, want: Any, path: str = "out") -> Optional[str]:

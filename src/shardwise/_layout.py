@@ -47,8 +47,11 @@ __all__ = [
     "format_placements",
 ]
 
-# Canonical: ((tensor_dim, (mesh_dim, ...)), ...) for tensor dims whose split order is
-# not ascending mesh-dim order, sorted by tensor dim; () when every order is the default.
+# The one representation of a split order, stored in specs and layouts, returned by
+# `DTensor.shard_order` and `ShardingSpec.shard_order`, made from any user form by
+# `normalize_shard_order`: ((tensor_dim, (mesh_dim, ...)), ...) for the tensor dims whose
+# split order is not ascending mesh-dim order, sorted by tensor dim; () when every order is
+# the default. The full map (every split tensor dim) is derived from it: `split_orders`.
 ShardOrder = tuple[tuple[int, tuple[int, ...]], ...]
 ShardOrderLike = Union[ShardOrder, Mapping[int, Sequence[int]], None]
 
@@ -115,7 +118,12 @@ def normalize_placements(
 
 
 def split_orders(placements: Sequence[Placement], shard_order: ShardOrder = ()) -> dict[int, tuple[int, ...]]:
-    """Tensor dim -> mesh dims that split it, outermost first."""
+    """Every split tensor dim -> the mesh dims that split it, outermost first (the full map a
+    `ShardOrder` and the placements describe).
+
+    >>> split_orders((Shard(0), Shard(0), Shard(1)), ((0, (1, 0)),))
+    {0: (1, 0), 1: (2,)}
+    """
     orders: dict[int, list[int]] = {}
     for m, p in enumerate(placements):
         if isinstance(p, Shard):

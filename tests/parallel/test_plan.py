@@ -219,7 +219,7 @@ def test_layouts_output_plan_and_local_outputs_match_single_device() -> None:
         return_local_tensor=["c"],
     )
     shard_module(model, plan, mesh)
-    assert model.a.weight.placements == (Shard(0), Shard(0)) and model.a.weight.shard_order == {0: (0, 1)}
+    assert model.a.weight.placements == (Shard(0), Shard(0)) and model.a.weight.shard_order == ()  # mesh-dim order: nothing to name
     assert model.b.weight.placements == (Replicate(), Shard(1))
     assert model.c.weight.placements == (Replicate(), Replicate())
 

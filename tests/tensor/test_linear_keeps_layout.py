@@ -59,7 +59,7 @@ def _run(mesh: sw.DeviceMesh, op: Callable[..., torch.Tensor], fulls: Sequence[O
     assert isinstance(got, DTensor) and got.placements == tuple(expected), f"{what}: output {got.placements}"
     assert not log, f"{what}: the forward pass communicated: {log}"
     if x_order:
-        assert got.shard_order[1] == x_order[1], f"{what}: output split order {got.shard_order}"
+        assert dict(got.shard_order)[1] == x_order[1], f"{what}: output split order {got.shard_order}"
     torch.testing.assert_close(got.full_tensor(), want, **TOL, msg=lambda m: f"{what}: output\n{m}")
     full = got.full_tensor()
     (full * full).sum().backward()

@@ -20,7 +20,7 @@ from typing import Any, Optional, cast
 import torch
 
 from .. import _comm as comm
-from .._layout import ShardOrderLike, normalize_placements, normalize_shard_order
+from .._layout import ShardOrder, ShardOrderLike, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh
 from .._ops._utils import order_like
 from .._partition_spec import PartitionEntry, from_placements
@@ -73,9 +73,12 @@ class DTensor(DTensorBase, role="plain"):
         return self._spec.placements
 
     @property
-    def shard_order(self) -> dict[int, tuple[int, ...]]:
-        """Tensor dim -> mesh dims that split it, outermost first (sharded dims only)."""
-        return self._spec.split_orders()
+    def shard_order(self) -> ShardOrder:
+        """The split order where it is not mesh-dim order: `((tensor dim, (mesh dims, outermost
+        first)), ...)`, `()` when every split tensor dim follows mesh-dim order. It is what
+        `shard_order=` takes (`redistribute(..., shard_order=x.shard_order)` keeps it); the
+        full map, every split tensor dim included, is `x._spec.split_orders()`."""
+        return self._spec.shard_order
 
     @property
     def partition_spec(self) -> tuple[PartitionEntry, ...]:
