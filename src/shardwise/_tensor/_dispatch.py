@@ -58,12 +58,26 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
     if kwargs is None:
         kwargs = {}
     modes = ACTIVE_MODES[0]
-    # the key inlines the two common cases of `_key_part`: a DTensor and a plain scalar
-    key = (func, modes, *[
-        a._spec if a.__class__ in _DTENSORS else (a.__class__, a) if a.__class__ in _SCALAR_TYPES
-        else _key_part(a, func, modes)
-        for a in args
-    ])
+    # The key inlines the two common cases of `_key_part` (a DTensor, a plain scalar), and is
+    # unrolled for one and two arguments, most calls: a comprehension is a frame of its own.
+    n = len(args)
+    if n == 2:
+        a, b = args
+        key: tuple[Any, ...] = (
+            func, modes,
+            a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes),
+            b._spec if b.__class__ in _DTENSORS else (b.__class__, b) if b.__class__ in _SCALAR_TYPES
+            else _key_part(b, func, modes),
+        )
+    elif n == 1:
+        a = args[0]
+        key = (func, modes, a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes))
+    else:
+        key = (func, modes, *[
+            a._spec if a.__class__ in _DTENSORS else (a.__class__, a) if a.__class__ in _SCALAR_TYPES
+            else _key_part(a, func, modes)
+            for a in args
+        ])
     if kwargs:
         key += (tuple((k, _key_part(v, func, modes)) for k, v in kwargs.items()),)
     run = _PLANS.get(key)
@@ -190,7 +204,9 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: O
         unwrap = tuple(k for k, m in positions if m is None and isinstance(args[k], DTensorBase))
         moved = tuple((k, m) for k, m in positions if m is not None)
         wrappers = tuple(Wrapper(o) for o in lean_outputs)
-        return LeanPlan(func._op, unwrap, moved, shape_arg, local_shape, wrappers, single is not None)
+        only_pieces = not moved and shape_arg is None and len(unwrap) == len(args)
+        return LeanPlan(func._op, unwrap, moved, shape_arg, local_shape, wrappers,
+                        wrappers[0] if single is not None else None, only_pieces)
     return GeneralPlan(
         func=func,
         moves=moves,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -32,6 +33,7 @@ from ._runtime import RUNTIME
 from ._wrap import DTENSOR_CLASSES, DTensorBase, Wrapper, rewrap, wrap
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_piece_of = operator.attrgetter("_local_tensor")  # in C: no Python frame per argument list
 
 __all__ = ["DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "Plan", "implicit_replication", "implicit"]
 
@@ -79,24 +81,35 @@ class LeanPlan:
     shape_arg: Optional[int]  # argument rewritten to output 0's local shape
     local_shape: Optional[list[int]]
     outputs: tuple[Wrapper, ...]  # one per output
-    single: bool  # one output (not a tuple of one)
+    single: Optional[Wrapper]  # the one output's (not a tuple of one)
+    only_pieces: bool  # every argument is a DTensor used as it is (the commonest call)
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        local_args = list(args)
-        for k in self.unwrap:
-            local_args[k] = args[k]._local_tensor
-        for k, move in self.moved:
-            local_args[k] = _piece(args[k], move)
-        if self.shape_arg is not None:
-            local_args[self.shape_arg] = self.local_shape
-        out = self.call(*local_args, **kwargs)
-        if self.single:  # `Wrapper.__call__`, inlined: one call less on every op
-            w = self.outputs[0]
+        if self.only_pieces:
+            out = self.call(*map(_piece_of, args), **kwargs)
+        else:
+            local_args = list(args)
+            for k in self.unwrap:
+                local_args[k] = args[k]._local_tensor
+            for k, move in self.moved:
+                local_args[k] = _piece(args[k], move)
+            if self.shape_arg is not None:
+                local_args[self.shape_arg] = self.local_shape
+            out = self.call(*local_args, **kwargs)
+        # `Wrapper.__call__`, inlined: one call less per output on every op
+        w = self.single
+        if w is not None:
             r: Any = _make_wrapper(w.cls, w.shape, strides=w.stride, dtype=w.dtype, device=out.device, layout=out.layout)
             r._local_tensor = out
             r._spec = w.spec
             return r
-        return tuple([w(o) for o, w in zip(out, self.outputs)])
+        made = []
+        for o, w in zip(out, self.outputs):
+            r = _make_wrapper(w.cls, w.shape, strides=w.stride, dtype=w.dtype, device=o.device, layout=o.layout)
+            r._local_tensor = o
+            r._spec = w.spec
+            made.append(r)
+        return tuple(made)
 
 
 def _get(args: Any, kwargs: dict[str, Any], loc: Location) -> Any:
