@@ -59,7 +59,7 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
         kwargs = {}
     modes = ACTIVE_MODES[0]
     # The key inlines the two common cases of `_key_part` (a DTensor, a plain scalar), and is
-    # unrolled for one and two arguments, most calls: a comprehension is a frame of its own.
+    # unrolled for up to three arguments, most calls: a comprehension is a frame of its own.
     n = len(args)
     if n == 2:
         a, b = args
@@ -72,6 +72,16 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
     elif n == 1:
         a = args[0]
         key = (func, modes, a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes))
+    elif n == 3:
+        a, b, c = args
+        key = (
+            func, modes,
+            a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes),
+            b._spec if b.__class__ in _DTENSORS else (b.__class__, b) if b.__class__ in _SCALAR_TYPES
+            else _key_part(b, func, modes),
+            c._spec if c.__class__ in _DTENSORS else (c.__class__, c) if c.__class__ in _SCALAR_TYPES
+            else _key_part(c, func, modes),
+        )
     else:
         key = (func, modes, *[
             a._spec if a.__class__ in _DTENSORS else (a.__class__, a) if a.__class__ in _SCALAR_TYPES
