@@ -12,11 +12,16 @@ The path of one call, `torch.mm(a, b)` with `a` S(0) and `b` R on a (4,) mesh:
 
 | layer | function | does |
 |---|---|---|
-| tensor | `DTensor.__torch_dispatch__` = `torch_dispatch` | keys the call; a hit skips to `LeanPlan.run` |
-| tensor | `_make_plan` | builds the schema and the plan (first call only) |
-| ops | `rule_for` -> `propagate` -> the mm strategy | candidates, priced by `plan_between`; (S(0), R) -> S(0) costs 0 |
-| tensor | `LeanPlan.run` | unwraps the pieces, calls the C op |
-| tensor | `wrap` | the output DTensor, S(0) |
+| tensor | `DTensor.__torch_dispatch__` = `torch_dispatch` | keys the call; a hit goes straight to `LeanPlan.run` |
+| tensor | `_make_plan` (first call only) | the `OpSchema` of global specs, then the plan |
+| ops | `rule_for` | the op's rule: `SHARDED`, strategy `_matmul.contraction_strategy` |
+| ops | `propagate` -> `_choose` -> `_pick` | every candidate priced by `redistribute_cost` |
+| redistribute | `plan_between` -> `plan_redistribute` | the cost of each input move; (S(0), R) -> S(0) moves nothing |
+| tensor | `Wrapper`, `LeanPlan` | the output's wrapper and the frozen plan |
+| tensor | `LeanPlan.run` | the C op on the local pieces, the S(0) output wrapped |
+
+A move would add `move_between` (the plan's program, made once) to the plan and
+`run_program` -> `_comm.run(record)` to every call.
 """
 
 from __future__ import annotations
