@@ -87,6 +87,15 @@ def test_shardwise_run_launches_an_example_script_on_two_processes() -> None:
     assert "rank 0 of 2: holds (32, 16) of (64, 16); output and gradients equal one process" in out
 
 
+@pytest.mark.parametrize("argv", [["run", "--help"], ["run", "-h"], ["run", "-n", "2", "--help"]])
+def test_shardwise_run_help_prints_usage_and_torchruns_options(argv: list[str]) -> None:
+    # regression: `shardwise run --help` said "no script to run" and exited 2
+    done = subprocess.run([sys.executable, "-m", "shardwise.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: shardwise run -n N") and "--nnodes" in done.stdout
+
+
 def test_shardwise_demo_command_trains_compares_and_draws(tmp_path: Path) -> None:
     png = tmp_path / "layout.png"
     out = _run("demo", "--steps", "3", f"--png={png}")

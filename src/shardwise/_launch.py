@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["launch", "torchrun_args"]
+__all__ = ["launch", "torchrun_args", "usage"]
 
 # options that say where the other machines are: with any of them, no --standalone
 _RENDEZVOUS = ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr",
@@ -69,11 +69,46 @@ def _valued_options() -> set[str]:
     return {o for action in get_args_parser()._actions if action.nargs is None for o in action.option_strings}
 
 
+def usage() -> str:
+    """`shardwise run --help`: its own usage, then the torchrun options that pass through."""
+    from torch.distributed.run import get_args_parser
+
+    text = get_args_parser().format_help()
+    torchrun = text[text.find("options:"):] if "options:" in text else text
+    return (
+        "usage: shardwise run -n N [torchrun options] script.py [script args]\n\n"
+        "Runs N local processes of script.py through torch.distributed.run (torchrun):\n"
+        "  -n N, --nproc-per-node N   processes per node\n"
+        "  (no rendezvous option given: --standalone, a free local port)\n"
+        "  -h, --help                 this message (after the script, --help is the script's)\n\n"
+        "torchrun's options, passed through as they are:\n" + torchrun
+    )
+
+
+def _asks_for_help(argv: Sequence[str]) -> bool:
+    """`-h` / `--help` before the script (after it, it belongs to the script)."""
+    valued = _valued_options() | {"-n", "--nproc-per-node", "--nproc_per_node"}
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("-h", "--help"):
+            return True
+        elif not a.startswith("-"):
+            return False
+        else:
+            skip = a in valued
+    return False
+
+
 def launch(argv: Sequence[str]) -> int:
     """Run torch.distributed.run with the translated arguments; its exit status."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    if _asks_for_help(argv):
+        print(usage())
+        return 0
     args = torchrun_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning
     try:

@@ -414,16 +414,17 @@ def test_ranks_that_disagree_on_the_state_dict_get_one_error_and_no_checkpoint(t
 
 
 def test_mismatches_are_reported_together_and_nothing_is_loaded(tmp_path: Path) -> None:
-    saved = {"a": torch.ones(4, 2), "b": torch.ones(3), "c": 1, "d": torch.ones(2), "e": torch.ones(3)}
+    saved = {"a": torch.ones(4, 2), "b": torch.ones(3), "c": 1, "d": torch.ones(2), "e": torch.ones(3),
+             "m": {"w": torch.ones(2), "old": torch.ones(2)}}
     checkpoint.save(saved, checkpoint_id=tmp_path)
     target = {"a": torch.zeros(2, 4), "d": torch.zeros(2, dtype=torch.float64), "c": torch.zeros(1),
-              "extra": torch.zeros(1), "e": torch.zeros(3)}
+              "extra": torch.zeros(1), "e": torch.zeros(3), "m": {"w": torch.zeros(2)}}
     with pytest.raises(ValueError) as info:
         checkpoint.load(target, checkpoint_id=tmp_path)
     message = str(info.value)
     for expected in [
         "missing from the checkpoint: 'extra': load a checkpoint saved from the same model",
-        "in the checkpoint but not in the state dict: 'b': build the state dict with these paths",
+        "in the checkpoint but not in the state dict: 'm.old': build the state dict with these paths",
         "'a': the checkpoint holds shape (4, 2), the state dict (2, 4): global shapes must match",
         "'d': the checkpoint holds torch.float32, the state dict torch.float64",
         "'c': the checkpoint holds a plain value, the state dict a tensor",
@@ -432,11 +433,29 @@ def test_mismatches_are_reported_together_and_nothing_is_loaded(tmp_path: Path) 
     assert message.count("\n  - ") == 5, message
     assert torch.equal(target["e"], torch.zeros(3)), "a failed load changed the state dict"
 
-    unexpected = {"a": torch.zeros(4, 2)}
-    with pytest.raises(ValueError, match=r"in the checkpoint but not in the state dict: 'b', 'c', 'd'"):
-        checkpoint.load(unexpected, checkpoint_id=tmp_path)
-    checkpoint.load(unexpected, checkpoint_id=tmp_path, strict=False)  # only the paths both have
-    assert torch.equal(unexpected["a"], torch.ones(4, 2))
+    # top-level keys the state dict leaves out are not loaded (as DCP); within one it asks for, strict
+    part = {"a": torch.zeros(4, 2)}
+    checkpoint.load(part, checkpoint_id=tmp_path)
+    assert torch.equal(part["a"], torch.ones(4, 2))
+    inner = {"m": {"w": torch.zeros(2)}}
+    with pytest.raises(ValueError, match=r"in the checkpoint but not in the state dict: 'm.old'"):
+        checkpoint.load(inner, checkpoint_id=tmp_path)
+    checkpoint.load(inner, checkpoint_id=tmp_path, strict=False)  # only the paths both have
+    assert torch.equal(inner["m"]["w"], torch.ones(2))
+
+
+def test_the_model_alone_loads_from_a_model_and_optimizer_checkpoint(tmp_path: Path) -> None:
+    # regression: loading {"model": model} from a {"model", "optim"} checkpoint was refused
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    checkpoint.save({"model": model, "optim": opt}, checkpoint_id=tmp_path)
+    fresh = torch.nn.Linear(4, 3)
+    checkpoint.load({"model": fresh}, checkpoint_id=tmp_path)
+    for name, p in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], p), name
 
 
 def test_values_that_load_cannot_read_back_are_refused_by_name(tmp_path: Path) -> None:

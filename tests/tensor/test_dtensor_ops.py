@@ -249,6 +249,21 @@ def test_op_without_strategy_falls_back_to_replicated_with_one_warning_or_errors
         sw.set_strict(False)
 
 
+@distributed(world_size=2)
+def test_an_error_inside_a_local_op_names_the_op_the_rank_and_the_input_layouts() -> None:
+    # regression: an error from a local kernel came without the op's layouts or the rank
+    mesh = sw.init_device_mesh("cpu", (2,))
+    log_probs = sw.distribute_tensor(torch.randn(4, 5).log_softmax(1), mesh, [Shard(0)])
+    target = sw.distribute_tensor(torch.tensor([7, 0, 7, 1]), mesh, [Shard(0)])  # 7: no such class, on each rank
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds") as caught:
+        torch.nn.functional.nll_loss(log_probs, target, reduction="none")
+    notes = getattr(caught.value, "__notes__", [])
+    assert len(notes) == 1, notes  # one note: the innermost op, not every op around it
+    rank = torch.distributed.get_rank()
+    assert f"raised by aten.nll_loss_forward.default on rank {rank}" in notes[0], notes
+    assert "(S(0))[4, 5] (local [2, 5]), (S(0))[4] (local [2])" in notes[0], notes
+
+
 @distributed(world_size=4)
 def test_mixing_plain_tensors_and_dtensors_is_a_clear_error() -> None:
     mesh = sw.init_device_mesh("cpu", (4,))

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch._decomp import decomposition_table
 
 from .._layout import contiguous_strides
@@ -96,14 +97,45 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
     if kwargs:
         key += (tuple((k, _key_part(v, func, modes)) for k, v in kwargs.items()),)
     run = _PLANS.get(key)
-    if run is None:
-        run = _PLANS[key] = _make_plan(func, args, kwargs, rule_for(func, modes)).run
-    return run(args, kwargs)
+    try:
+        if run is None:
+            run = _PLANS[key] = _make_plan(func, args, kwargs, rule_for(func, modes)).run
+        return run(args, kwargs)
+    except Exception as exc:  # free until raised (Python 3.11): name the op, rank and layouts
+        _add_context(exc, func, args, kwargs)
+        raise
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run the aten op `func` on DTensor arguments (what `__torch_dispatch__` does)."""
     return torch_dispatch(type, func, (), args, kwargs)
+
+
+def _describe(a: Any) -> str:
+    if isinstance(a, DTensorBase):
+        return f"{a._spec.layout_str()}{list(a.shape)} (local {list(a._local_tensor.shape)})"
+    if isinstance(a, torch.Tensor):
+        return f"plain {list(a.shape)}"
+    if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+        return "[" + ", ".join(_describe(x) for x in a) + "]"
+    text = repr(a)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _add_context(exc: BaseException, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Add a note naming the op, this rank and the inputs' layouts to an error raised while
+    running `func` on DTensors (once: the innermost op, when ops nest)."""
+    if getattr(exc, "_shardwise_op", None) is not None:
+        return
+    try:
+        exc._shardwise_op = func  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type that takes no attributes: no note either
+        return
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    inputs = [_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kwargs.items()]
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(f"shardwise: raised by {func} on rank {rank}, inputs {', '.join(inputs)}")
 
 
 def _plain_error(func: Any, a: torch.Tensor) -> ValueError:

@@ -47,11 +47,14 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
     must be on a filesystem every loading rank can read (as `torch.distributed.checkpoint`'s
     FileSystemReader assumes), and a rank may load while others do not.
 
-    Global shapes and dtypes must match the saved ones. With `strict=True` (the default) the
-    paths must match too; `strict=False` loads the paths both have and leaves the others
-    (unlike `torch.distributed.checkpoint.load`, which ignores saved keys the state dict
-    lacks, strict mode reports them: a renamed parameter is then an error, not a silent
-    skip). All mismatches are reported in one ValueError, before anything is changed.
+    Global shapes and dtypes must match the saved ones. A state dict may ask for part of a
+    checkpoint by its top-level keys, as with `torch.distributed.checkpoint.load`: `{"model":
+    model}` loads the model alone from a `{"model": ..., "optim": ...}` checkpoint. With
+    `strict=True` (the default) every path the state dict holds must be saved, and under
+    each top-level key it asks for, every saved path must be in it (a renamed or dropped
+    parameter is then an error, not a silent skip); `strict=False` loads the paths both have
+    and leaves the others. All mismatches are reported in one ValueError, before anything is
+    changed.
     """
     directory = checkpoint_dir(checkpoint_id)
     table = read_metadata(directory)
@@ -112,13 +115,15 @@ def _mismatches(targets: dict[Path, Any], table: dict[Path, Entry], strict: bool
     problems = []
     if strict:
         missing = [p for p in targets if p not in table]
-        unexpected = [p for p in table if p not in targets]
+        asked = {p[0] for p in targets}  # the top-level entries asked for: the others are not loaded
+        unexpected = [p for p in table if p not in targets and p[0] in asked]
         if missing:
             problems.append(f"  - missing from the checkpoint: {_listed(missing)}: load a checkpoint saved from the "
                             f"same model and optimizer configuration, or pass strict=False to leave these as they are")
         if unexpected:
             problems.append(f"  - in the checkpoint but not in the state dict: {_listed(unexpected)}: build the state "
-                            f"dict with these paths, or pass strict=False to skip them")
+                            f"dict with these paths, or pass strict=False to skip them (a top-level key the state "
+                            f"dict leaves out is not loaded at all)")
     for path, leaf in targets.items():
         entry = table.get(path)
         if entry is None:
