@@ -28,21 +28,6 @@ def test_a_repeated_op_calls_no_strategy_function_after_the_first() -> None:
 
 
 @distributed(world_size=4)
-def test_plain_tensors_count_as_replicated_only_inside_implicit_replication() -> None:
-    mesh = sw.init_device_mesh("cpu", (4,))
-    full, bias = seeded(8, 6), seeded(6, seed=2)
-    x = sw.distribute_tensor(full, mesh, [Shard(0)])
-    with pytest.raises(ValueError, match=r"plain torch.Tensor of shape \(6,\).*implicit_replication"):
-        x + bias
-    with sw.implicit_replication():
-        y = x + bias
-    assert y.placements == (Shard(0),)
-    torch.testing.assert_close(y.full_tensor(), full + bias)
-    torch.testing.assert_close((x * torch.tensor(3.0)).full_tensor(), full * 3)  # 0-dim: always a scalar
-    torch.testing.assert_close((x * 2.5).full_tensor(), full * 2.5)
-
-
-@distributed(world_size=4)
 def test_data_dependent_ops_run_replicated_by_design_without_a_warning() -> None:
     mesh = sw.init_device_mesh("cpu", (4,))
     full = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 3.0], [0.0, 0.0, 4.0], [5.0, 0.0, 0.0], [0.0, 6.0, 0.0]])

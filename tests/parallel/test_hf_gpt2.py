@@ -49,7 +49,7 @@ PLAN = {
 def test_hugging_face_gpt2_parallelized_trains_like_one_process() -> None:
     mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     reference = _gpt2()
-    model = parallelize_module(copy.deepcopy(reference), mesh, PLAN)
+    model = parallelize_module(copy.deepcopy(reference), mesh, PLAN, replicate_rest=True)  # every layer on DTensors
     assert model.lm_head.weight is model.transformer.wte.weight  # still tied
     assert model.transformer.h[0].attn.c_attn.weight.placements == (Shard(1),)  # Conv1D: (in, out)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]

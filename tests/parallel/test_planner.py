@@ -227,13 +227,14 @@ TOL = 1e-5
 
 def _hand_written(model: nn.Module, mesh: sw.DeviceMesh) -> None:
     """Attention keeps DTensors (the model views with global head counts); inside the MLP, gelu runs on
-    plain local pieces. The embedding and the head are left out, so they are replicated."""
+    plain local pieces. The embedding and the head are left out; `replicate_rest` makes them
+    replicated DTensors, so the whole model computes on DTensors."""
     parallelize_module(model, mesh, {
         "blocks.*.q": COL, "blocks.*.k": COL, "blocks.*.v": COL,
         "blocks.*.proj": ROW,
         "blocks.*.up": ColwiseParallel(),  # a plain (b, t, 4d/4) piece into gelu
         "blocks.*.down": ROW,  # takes the plain piece as Shard(-1), returns a replicated DTensor
-    })
+    }, replicate_rest=True)
 
 
 def _megatron_planner(model: nn.Module, mesh: sw.DeviceMesh) -> None:

@@ -265,14 +265,6 @@ def test_an_error_inside_a_local_op_names_the_op_the_rank_and_the_input_layouts(
 
 
 @distributed(world_size=4)
-def test_mixing_plain_tensors_and_dtensors_is_a_clear_error() -> None:
-    mesh = sw.init_device_mesh("cpu", (4,))
-    x = sw.distribute_tensor(seeded(8, 8), mesh, [Shard(0)])
-    with pytest.raises(ValueError, match=r"plain torch.Tensor of shape \(8, 8\).*distribute_tensor"):
-        x + torch.ones(8, 8)
-
-
-@distributed(world_size=4)
 def test_regression_to_local_output_mixed_back_in_gave_a_dtensor_inside_a_dtensor() -> None:
     # A local tensor taken with to_local() and then mixed with DTensors as a replicated plain
     # tensor (a RowwiseParallel local output feeding a residual add) got its gradient as a

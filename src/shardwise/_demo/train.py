@@ -89,7 +89,7 @@ def train_sharded(cfg: DemoConfig, progress: Callable[[int, float, float], None]
     data = CharData()
     model = _model(cfg, data, cfg.device)
     if cfg.plan == "manual":
-        parallelize_module(model, mesh["tp"], manual_plan())
+        parallelize_module(model, mesh["tp"], manual_plan(), replicate_rest=True)  # the whole model on DTensors
     else:
         shard_module(model, MegatronPlanner().build_plan(model), mesh["tp"])
     data_parallel(model, mesh, dp_dim="dp", shard_parameters=cfg.shard_parameters)

@@ -7,7 +7,7 @@ broadcast), be replicated, or stay `Partial` where the op is linear in it:
 |---|---|
 | add, sub (tensor + tensor) | every input is the same P(sum) or P(avg) |
 | mul, div (P first for div) | exactly one input is P(sum)/P(avg), the others Replicate |
-| clone, detach, casts | always (one input) |
+| clone, detach, casts | always (one input); P(sum)/P(avg) not through a cast that changes the dtype |
 | neg | P(sum) or P(avg) (it would turn max into min) |
 
 The propagator prices every combination and keeps the cheapest, so `S(0) + S(0)` costs
@@ -43,17 +43,23 @@ _IDENTITY_LIKE = {
     aten.clone.default, aten.detach.default, aten.alias.default, aten.contiguous.default,
     aten._to_copy.default, aten.positive.default, aten.zero_.default, aten.lift_fresh.default,
 }
+_CASTS = {aten._to_copy.default}
 # Additive but order-reversing: P(sum)/P(avg) survive, P(max)/P(min) would swap.
 _NEGATION = {aten.neg.default, aten.neg_.default}
 
 
-def _partial_options(op: torch._ops.OpOverload, args: tuple[Any, ...], i: int) -> list[tuple[Placement, list[Placement]]]:
+def _partial_options(schema: OpSchema, out_dtype: torch.dtype, i: int) -> list[tuple[Placement, list[Placement]]]:
     """Ways to keep a Partial on mesh dim i: (output placement, required input placements)."""
+    op, args = schema.op, schema.args_schema
     dspecs = [(k, a) for k, a in enumerate(args) if isinstance(a, DTensorSpec)]
     found: list[tuple[Placement, list[Placement]]] = []
     for k, spec in dspecs:
         p = spec.placements[i]
         if not isinstance(p, Partial):
+            continue
+        if op in _CASTS and out_dtype != spec.dtype and p.reduce_op in ("sum", "avg"):
+            # one device casts the summed value: casting each term rounds it on its own,
+            # and the sum of rounded terms is not the rounded sum (max/min survive a cast)
             continue
         if op in _IDENTITY_LIKE and len(dspecs) == 1:
             found.append((p, [p]))
@@ -76,7 +82,7 @@ def _in_dim(out_dim: int, spec: DTensorSpec, out_shape: torch.Size) -> Optional[
     return d
 
 
-def _dim_options(schema: OpSchema, out_shape: torch.Size, i: int) -> list[tuple[Placement, list[Placement]]]:
+def _dim_options(schema: OpSchema, out_shape: torch.Size, out_dtype: torch.dtype, i: int) -> list[tuple[Placement, list[Placement]]]:
     """Per mesh dim i: (output placement, required placement of each DTensor input)."""
     dspecs = [a for a in schema.args_schema if isinstance(a, DTensorSpec)]
     options: list[tuple[Placement, list[Placement]]] = [(Replicate(), [Replicate() for _ in dspecs])]
@@ -94,7 +100,7 @@ def _dim_options(schema: OpSchema, out_shape: torch.Size, i: int) -> list[tuple[
             d = _in_dim(od, other, out_shape)
             need.append(Replicate() if d is None else Shard(d))
         options.append((Shard(od), need))
-    options.extend(_partial_options(schema.op, schema.args_schema, i))
+    options.extend(_partial_options(schema, out_dtype, i))
     return options
 
 
@@ -108,7 +114,7 @@ def pointwise_strategy(schema: OpSchema) -> OpStrategy:
     dspecs = [a for a in schema.args_schema if isinstance(a, DTensorSpec)]
     extra = len(schema.input_specs()) - len(dspecs)  # DTensors passed by keyword: out= tensors
     mesh_ndim = dspecs[0].mesh.ndim
-    per_dim = [_dim_options(schema, out_shape, i) for i in range(mesh_ndim)]
+    per_dim = [_dim_options(schema, out_shape, first.dtype, i) for i in range(mesh_ndim)]
     strategies = []
     for combo in itertools.product(*per_dim):
         out = tuple(o for o, _ in combo)

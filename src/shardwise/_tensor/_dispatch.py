@@ -39,7 +39,9 @@ from .._mesh import AbstractMesh
 from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, ScalarTensor, propagate, rule_for
 from .._placement import Replicate
 from .._spec import DTensorSpec, TensorMeta
-from ._plans import DecomposedPlan, GeneralPlan, LeanPlan, Location, Plan, implicit, implicit_replication
+from ._plain import check_plain
+from ._plans import (DecomposedPlan, GeneralPlan, LeanPlan, Location, Plan, RestridedPlan, implicit, implicit_replication,
+                     misplaced, restride)
 from ._redistribute import Move, move_between
 from ._runtime import RUNTIME
 from ._wrap import DTENSOR_CLASSES as _DTENSORS
@@ -99,11 +101,30 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
     run = _PLANS.get(key)
     try:
         if run is None:
-            run = _PLANS[key] = _make_plan(func, args, kwargs, rule_for(func, modes)).run
+            rule = rule_for(func, modes)
+            if not (implicit() or rule.plain_as_replicated):
+                check_plain(func, modes, args, kwargs)
+            return _first_run(key, func, args, kwargs, rule)
         return run(args, kwargs)
     except Exception as exc:  # free until raised (Python 3.11): name the op, rank and layouts
         _add_context(exc, func, args, kwargs)
         raise
+
+
+def _first_run(key: tuple[Any, ...], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: OpRule) -> Any:
+    """Make the plan, run it, and cache it; a fresh output whose piece the kernel laid out in
+    another memory order than the global tensor's is re-laid, then and on every later call."""
+    run = _make_plan(func, args, kwargs, rule).run
+    out = run(args, kwargs)
+    fresh = not any(r.alias_info is not None for r in func._schema.returns)
+    which = misplaced(out) if fresh else ()
+    if any(which):
+        run = RestridedPlan(run, which).run
+        for o, fix in zip(out if isinstance(out, (list, tuple)) else (out,), which):
+            if fix:
+                restride(o)
+    _PLANS[key] = run
+    return out
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -138,16 +159,6 @@ def _add_context(exc: BaseException, func: Any, args: tuple[Any, ...], kwargs: d
         add_note(f"shardwise: raised by {func} on rank {rank}, inputs {', '.join(inputs)}")
 
 
-def _plain_error(func: Any, a: torch.Tensor) -> ValueError:
-    # ValueError, not TypeError: torch turns a TypeError inside `a + b` into NotImplemented,
-    # and Python would replace this message with "unsupported operand type(s)".
-    return ValueError(
-        f"{func} got a plain torch.Tensor of shape {tuple(a.shape)} mixed with DTensors: wrap it with "
-        f"shardwise.distribute_tensor(t, mesh, placements) or DTensor.from_local(t, mesh, placements), "
-        f"or, if it is the same on every rank, run the op inside shardwise.implicit_replication()"
-    )
-
-
 def _key_part(a: Any, func: Any, modes: frozenset[str]) -> Any:
     if isinstance(a, DTensorBase):
         return a._spec
@@ -156,10 +167,8 @@ def _key_part(a: Any, func: Any, modes: frozenset[str]) -> Any:
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:
             return ScalarTensor(a.dtype, a.device.type)
-        # numel 1: a scalar in disguise
-        if implicit() or a.numel() == 1 or rule_for(func, modes).plain_as_replicated:
-            return ("plain", a.shape, a.dtype, a.device.type)
-        raise _plain_error(func, a)
+        # counts as replicated; `check_plain` makes sure it is the first time at each site
+        return ("plain", a.shape, a.dtype, a.device.type)
     if isinstance(a, (list, tuple)):
         types = tuple(map(type, a))
         if _SCALAR_TYPES.issuperset(types):  # a shape, a list of dims: no walk

@@ -35,7 +35,8 @@ from ._wrap import DTENSOR_CLASSES, DTensorBase, Wrapper, rewrap, wrap
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _piece_of = operator.attrgetter("_local_tensor")  # in C: no Python frame per argument list
 
-__all__ = ["DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "Plan", "implicit_replication", "implicit"]
+__all__ = ["DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "Plan", "RestridedPlan", "implicit", "implicit_replication",
+           "misplaced", "restride"]
 
 # Where a DTensor input sits: (positional index or keyword name, index in a list or None).
 Location = tuple[Union[int, str], Optional[int]]
@@ -45,12 +46,12 @@ _IMPLICIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_impl
 
 @contextlib.contextmanager
 def implicit_replication() -> Iterator[None]:
-    """Inside this block, a plain tensor mixed with DTensors counts as replicated on their mesh.
+    """Inside this block, a plain tensor mixed with DTensors counts as replicated on their
+    mesh without being checked: you vouch that it is the same on every rank.
 
-    Use it for tensors that really are the same on every rank (a mask, a position table);
-    outside it, mixing them is an error, because a rank-local tensor would be silently
-    treated as global. One-element tensors (shape `()`, `(1,)`, `(1, 1)`) always count as
-    replicated, as scalars do.
+    Outside it such a tensor counts as replicated too, but the first time plain tensors meet
+    DTensors at an op the ranks check that they agree (`_plain.check_plain`), so a
+    rank-local tensor raises instead of being silently taken as global.
     """
     token = _IMPLICIT.set(True)
     try:
@@ -193,6 +194,60 @@ class DecomposedPlan:
         # every rank, so they count as replicated.
         with implicit_replication():
             return self.decompose(*args, **kwargs)
+
+
+def _order(shape: Any, stride: Any) -> tuple[int, ...]:
+    """The tensor dims of size > 1, outermost first (by stride, then dim): a layout's memory order."""
+    return tuple(sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: (-stride[d], d)))
+
+
+def _dense_strides(shape: Any, stride: Any) -> list[int]:
+    """Dense strides for `shape` laid out in the memory order `stride` describes."""
+    dense = [0] * len(shape)
+    step = 1
+    for d in sorted(range(len(shape)), key=lambda d: (stride[d], -d)):
+        dense[d] = step
+        step *= max(shape[d], 1)
+    return dense
+
+
+def misplaced(out: Any) -> tuple[bool, ...]:
+    """Per output: whether a DTensor's piece is laid out in another memory order than its
+    spec's (global) strides say, e.g. a kernel that got contiguous moved pieces where the
+    global tensors were transposed."""
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    return tuple(
+        isinstance(o, DTensorBase)
+        and _order(o._local_tensor.shape, o._local_tensor.stride()) != _order(o._local_tensor.shape, o._spec.tensor_meta.stride)
+        for o in outs
+    )
+
+
+def restride(o: DTensorBase) -> None:
+    """Copy `o`'s piece into the memory order of its spec's strides (so `.contiguous()`, views
+    and `is_contiguous()` answer for the piece what they answer for the global tensor)."""
+    local = o._local_tensor
+    laid = torch.empty_strided(local.shape, _dense_strides(local.shape, o._spec.tensor_meta.stride), dtype=local.dtype,
+                               device=local.device, requires_grad=False)
+    laid.copy_(local)
+    o._local_tensor = laid
+
+
+@dataclass(frozen=True, slots=True)
+class RestridedPlan:
+    """A plan whose fresh outputs come out of the kernel in another memory order than the
+    global tensor's: their pieces are re-laid after each run (found on the first run)."""
+
+    inner: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+    which: tuple[bool, ...]  # per output
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        out = self.inner(args, kwargs)
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        for o, fix in zip(outs, self.which):
+            if fix:
+                restride(o)
+        return out
 
 
 Plan = Union[LeanPlan, GeneralPlan, DecomposedPlan]

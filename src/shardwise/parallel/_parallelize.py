@@ -2,9 +2,16 @@
 
 There is one mechanism. `parallelize_module`'s dict of module patterns -> styles is a
 `ShardingPlan` like any other, so it gets the same all-at-once validation before any
-communication, the same tied-weight handling and the same replication of everything the
-plan does not mention. Applying goes: check the whole plan (pure), place the parameters
-the plan names, run the sharders in plan order, replicate the rest, then hook outputs.
+communication and the same tied-weight handling. Applying goes: check the whole plan
+(pure), place the parameters the plan names, run the sharders in plan order, replicate
+the rest when asked, then hook outputs.
+
+What is left out of the plan is the one difference between the two entry points:
+`shard_module` replicates every parameter and buffer the plan does not mention (the whole
+model then computes on DTensors), while `parallelize_module` leaves them as they are, plain
+tensors, as `torch.distributed.tensor.parallel.parallelize_module` does: with torch's
+styles (local outputs by default) the model between the parallelized layers runs on
+plain local tensors, exactly as under torch. `replicate_rest=` chooses either way.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ def shard_module(
     device_mesh: Optional[DeviceMesh] = None,
     *,
     src_data_rank: Optional[int] = 0,
+    replicate_rest: bool = True,
 ) -> nn.Module:
     """Shard `module` in place by `plan` (or by the plan a `ShardingPlanner` builds for it); returns it.
 
@@ -51,8 +59,8 @@ def shard_module(
     communication; every problem is raised in one ValueError. Then: parameters named in
     the plan are distributed to their layouts, each `Sharder` shards the submodules its
     pattern matches, every parameter and buffer still plain is replicated (as
-    `distribute_module` does), and `output_plan` / `return_local_tensor` hooks are
-    installed. A tied parameter is distributed once and stays one parameter.
+    `distribute_module` does; `replicate_rest=False` leaves them plain), and `output_plan` /
+    `return_local_tensor` hooks are installed. A tied parameter is distributed once and stays one parameter.
     `src_data_rank` is the rank whose values are distributed (None: each rank's own).
     """
     mesh = _mesh(device_mesh, "shard_module")
@@ -79,7 +87,8 @@ def shard_module(
                 parent, attr = _split(path)
                 setattr(module.get_submodule(parent), attr, new)
         ties.retie()
-    distribute_module(module, mesh)
+    if replicate_rest:
+        distribute_module(module, mesh)
 
     for path, layout in resolved.outputs:
         module.get_submodule(path).register_forward_hook(_output_layout_hook(path, layout, mesh))
@@ -119,6 +128,7 @@ def parallelize_module(
     parallelize_plan: Union[ParallelStyle, Mapping[str, ParallelStyle], None] = None,
     *,
     src_data_rank: Optional[int] = 0,
+    replicate_rest: bool = False,
 ) -> nn.Module:
     """Apply tensor-parallel styles: one style to `module`, or a dict of module patterns -> styles.
 
@@ -126,8 +136,9 @@ def parallelize_module(
     `device_mesh` must be 1-D: on an n-D mesh pass the tensor-parallel sub-mesh
     (`mesh["tp"]`). The dict becomes a `ShardingPlan` and goes through `shard_module`, so
     every pattern that matches nothing and every style on a module it cannot shard is
-    reported in one ValueError before any communication (torch warns and skips), and
-    parameters of modules the plan does not mention are replicated on the mesh.
+    reported in one ValueError before any communication (torch warns and skips).
+    Parameters and buffers of modules the plan does not mention stay plain tensors, as in
+    torch (`replicate_rest=True` makes them replicated DTensors, as `shard_module` does).
     """
     mesh = _mesh(device_mesh, "parallelize_module")
     if mesh.ndim != 1:
@@ -152,7 +163,7 @@ def parallelize_module(
             f"got {type(parallelize_plan).__name__}"
         )
     styles = {k: _with_src(v, src_data_rank) for k, v in styles.items()}
-    return shard_module(module, ShardingPlan(styles), mesh, src_data_rank=src_data_rank)
+    return shard_module(module, ShardingPlan(styles), mesh, src_data_rank=src_data_rank, replicate_rest=replicate_rest)
 
 
 def _with_src(style: Sharder, src_data_rank: Optional[int]) -> Sharder:

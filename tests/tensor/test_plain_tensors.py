@@ -1,0 +1,107 @@
+"""Plain tensors meeting DTensors: the same on every rank, they count as replicated with no
+workaround; rank-local, they raise on every rank instead of being silently taken as global.
+
+The ranks compare a fingerprint of the plain tensors the first time they meet DTensors at an
+op site (op, layouts, where the plain tensors sit), so later calls cost nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise import Replicate, Shard
+from shardwise.parallel import ColwiseParallel, parallelize_module
+from shardwise.testing import distributed
+
+from ..dist_helpers import seeded
+
+
+@distributed(world_size=4)
+def test_a_plain_tensor_the_same_on_every_rank_counts_as_replicated_and_is_checked_once() -> None:
+    mesh = sw.init_device_mesh("cpu", (4,))
+    full, bias = seeded(8, 6), seeded(6, seed=2)
+    x = sw.distribute_tensor(full, mesh, [Shard(0)])
+    with sw.comm_log() as first:
+        y = x + bias  # a model's own constant, mask or table: no implicit_replication()
+    assert y.placements == (Shard(0),)
+    torch.testing.assert_close(y.full_tensor(), full + bias)
+    assert [r.op for r in first] == ["all_gather"]  # the fingerprints (shape, three sums), once
+    with sw.comm_log() as later:
+        x + seeded(6, seed=3)  # the same site: not checked again
+    assert later == []
+    torch.testing.assert_close((x * torch.tensor(3.0)).full_tensor(), full * 3)
+    torch.testing.assert_close((x * 2.5).full_tensor(), full * 2.5)
+
+
+@distributed(world_size=4)
+def test_a_rank_local_piece_mixed_into_a_global_computation_raises_on_every_rank() -> None:
+    mesh = sw.init_device_mesh("cpu", (4,))
+    full = seeded(8, 6)
+    x = sw.distribute_tensor(full, mesh, [Shard(0)])
+    r = sw.distribute_tensor(seeded(2, 6, seed=1), mesh, [Replicate()])
+    piece = x.to_local()  # (2, 6) on every rank, different values: taken as global it would be wrong
+    with pytest.raises(ValueError, match=r"aten\.add\.Tensor: the plain tensor in argument 1 \(shape \(2, 6\).*"
+                                         r"values differ between ranks \(rank 0 and rank\(s\) \[1, 2, 3\]\).*rank-local"):
+        r + piece
+    # the fix the message names: say how it is split
+    whole = sw.DTensor.from_local(piece, mesh, [Shard(0)])
+    torch.testing.assert_close((whole + x).full_tensor(), full * 2)
+
+
+@distributed(world_size=4)
+def test_rank_local_one_element_tensors_and_uneven_pieces_raise_too() -> None:
+    mesh = sw.init_device_mesh("cpu", (4,))
+    x = sw.distribute_tensor(seeded(5, 3), mesh, [Shard(0)])
+    term = x.to_local().sum().reshape(1)  # a one-element tensor: each rank's own term
+    with pytest.raises(ValueError, match=r"aten\.mul\.Tensor: the plain tensor in argument 1 \(shape \(1,\)"):
+        x * term
+    r = sw.distribute_tensor(seeded(3, seed=2), mesh, [Replicate()])
+    rows = x.to_local()  # 2, 2, 1, 0 rows (as torch.chunk): the shapes differ
+    with pytest.raises(ValueError, match=r"shapes differ.*shapes \[\(0, 3\), \(1, 3\), \(2, 3\)\]"):
+        r * rows
+
+
+@distributed(world_size=4)
+def test_implicit_replication_vouches_for_plain_tensors_and_skips_the_check() -> None:
+    mesh = sw.init_device_mesh("cpu", (4,))
+    r = sw.distribute_tensor(seeded(4, 3), mesh, [Replicate()])
+    mine = torch.full((4, 3), float(dist.get_rank()))
+    with sw.comm_log() as log, sw.implicit_replication():
+        y = r + mine  # the user says it is replicated: each rank keeps its own sum
+    assert log == []
+    torch.testing.assert_close(y.to_local(), r.to_local() + mine)
+
+
+class _Gated(torch.nn.Module):
+    """A projection whose output is scaled by a table the plan does not mention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(6, 8, bias=False)
+        self.register_buffer("table", torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x).view(x.shape[0], -1, 4) * self.table  # (batch, heads, head_dim) * (head_dim,)
+
+
+@distributed(world_size=2)
+def test_a_use_local_output_result_meeting_a_replicated_buffer_raises_and_left_plain_is_right() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    reference = _Gated()
+    x = seeded(3, 6)
+    want = reference(x)  # (3, 2, 4): rank r's head is [:, r]
+    # `table` replicated as a DTensor meets each rank's own head (a plain local output):
+    # the product broadcasts, and taken as global it would be silently wrong
+    mixed = parallelize_module(copy.deepcopy(reference), mesh, {"up": ColwiseParallel()}, replicate_rest=True)
+    with pytest.raises(ValueError, match=r"aten\.mul\.Tensor: the plain tensor in argument 0 \(shape \(3, 1, 4\)"):
+        mixed(x)
+    # left plain (torch's rule), the whole computation is local and right on each rank
+    local = parallelize_module(copy.deepcopy(reference), mesh, {"up": ColwiseParallel()})
+    rank = dist.get_rank()
+    torch.testing.assert_close(local(x), want[:, rank : rank + 1])
