@@ -35,6 +35,8 @@ def test_attention_output_pieces_are_laid_out_as_the_global_tensor_says() -> Non
     for placements in ([Shard(2)], [Shard(0)], [Replicate()]):
         dq, dk, dv = (sw.distribute_tensor(t, mesh, placements) for t in (q, k, v))
         out = F.scaled_dot_product_attention(_heads(dq, 4), _heads(dk, 2), _heads(dv, 2), is_causal=True, enable_gqa=True)
+        if placements == [Shard(2)]:  # 4 query heads, 2 key/value heads: each rank holds one whole group
+            assert out.placements == (Shard(1),), out.placements
         assert out.is_contiguous() == out.to_local().is_contiguous(), (placements, out.stride(), out.to_local().stride())
         t = out.transpose(1, 2)
         assert t.is_contiguous() == t.to_local().is_contiguous(), (placements, t.stride(), t.to_local().stride())

@@ -4,7 +4,7 @@ nll_loss in `_nll`).
 
 | op | runs split by | output |
 |---|---|---|
-| flash attention (CPU) | batch, heads; query rows when not causal | split alike; the key/value grads of split query rows are P(sum) |
+| flash attention (CPU) | batch, heads (grouped-query: whole groups per rank); query rows when not causal | split alike; the key/value grads of split query rows are P(sum) |
 | native_dropout_backward | any dim (the forward's strategy lives with the random ops) | split alike |
 | pooling | batch and channel dims (spatial dims whole) | split alike; avg pools keep P(sum)/P(avg) |
 | activations aten leaves untagged (hardswish, *_backward, glu) | any dim (glu: not its halved dim) | split alike; backwards keep a P(sum)/P(avg) gradient |
@@ -16,6 +16,7 @@ rank one are dropped; the pooling kernels likewise refuse an empty channel piece
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
@@ -54,7 +55,8 @@ def _attention_options(a: Args, q: DTensorSpec, causal: bool, grads: bool, i: in
     rows = ("grad_out", "query", "out", "logsumexp") if grads else ("query",)
     opts: list[Option] = []
     for d in range(n - 2):
-        if all(t is not None and t.shape[d] == q.shape[d] for t in (k, v)):
+        grouped = d == n - 3 and k is not None and v is not None and _grouped(q, k, v)
+        if grouped or all(t is not None and t.shape[d] == q.shape[d] for t in (k, v)):
             ins: dict[str, Placement] = {name: Shard(d) for name in rows + ("key", "value")}
             ins.update(_mask_dim(mask, d, q.shape[d], n))
             opts.append(a.opt((Shard(d),) * (3 if grads else 2), ins))
@@ -111,10 +113,34 @@ def without_empty_pieces(strategy: OpStrategy, a: Args, guarded: dict[str, Itera
     return strategy
 
 
+def _grouped(q: DTensorSpec, k: DTensorSpec, v: DTensorSpec) -> bool:
+    """Grouped-query attention: fewer key/value heads than query heads, each shared by a group."""
+    h = q.ndim - 3
+    return k.shape[h] == v.shape[h] and 0 < k.shape[h] < q.shape[h] and q.shape[h] % k.shape[h] == 0
+
+
+def _groups_aligned(a: Args, strategy: OpStrategy) -> OpStrategy:
+    """Keep a head split of grouped-query attention only where every rank holds whole groups:
+    the key/value heads split evenly, so rank r's query heads are those its key/value heads serve."""
+    q, k, v = a.need("query"), a.spec("key"), a.spec("value")
+    kpos = a.pos("key")
+    if k is None or v is None or kpos is None or not _grouped(q, k, v):
+        return strategy
+    h = k.ndim - 3
+    kept = []
+    for c in strategy.strategies:
+        layout = c.input_specs[kpos]
+        parts = math.prod(k.mesh.shape[m] for m, p in enumerate(layout.placements) if p == Shard(h)) if layout else 1
+        if k.shape[h] % parts == 0:
+            kept.append(c)
+    strategy.strategies = kept
+    return strategy
+
+
 def _attention_strategy(a: Args, causal: bool, grads: bool) -> OpStrategy:
     q = a.need("query")
     per_dim = [_attention_options(a, q, causal, grads, i) for i in range(a.mesh_ndim)]
-    strategy = combine(a, per_dim, n_outputs=3 if grads else 2)
+    strategy = _groups_aligned(a, combine(a, per_dim, n_outputs=3 if grads else 2))
     # the CPU flash kernel dies (SIGFPE) on an empty head or row piece; empty batches are fine
     return without_empty_pieces(strategy, a, {name: range(1, q.ndim) for name in ("query", "key", "value")})
 
