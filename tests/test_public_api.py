@@ -56,9 +56,10 @@ def test_public_surface_is_pinned() -> None:
 
 
 PARALLEL = [
-    "ColwiseParallel", "MegatronPlanner", "ParallelStyle", "PrepareModuleInput", "PrepareModuleOutput",
-    "RowwiseParallel", "SequenceParallel", "Sharder", "ShardingPlan", "ShardingPlanner", "data_parallel",
-    "distribute_module", "loss_parallel", "memory_report", "no_sync", "parallelize_module", "shard_module",
+    "ColwiseParallel", "Coverage", "MegatronPlanner", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel", "SequenceParallel", "Sharder", "ShardingPlan", "ShardingPlanner", "coverage", "data_parallel",
+    "distribute_module", "global_mean", "loss_parallel", "memory_report", "no_sync", "parallelize_module", "shard_module",
 ]
 
 

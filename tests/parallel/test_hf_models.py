@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.parallel import (ColwiseParallel, MegatronPlanner, RowwiseParallel, SequenceParallel, data_parallel,
-                                parallelize_module, shard_module)
+                                global_mean, parallelize_module, shard_module)
 from shardwise.testing import distributed
 
 transformers = pytest.importorskip("transformers")  # a test dependency (pyproject's [test] extra)
@@ -36,8 +35,25 @@ MODELS: dict[str, Callable[[], Any]] = {
 }
 # a fused q/k/v projection is split by columns, so a torch-style plan (local outputs) would
 # split each rank's piece as if it were the whole: GPT-2 runs under the planner only
-ALL_MODELS = {**MODELS, "gpt2 (fused qkv, Conv1D)": lambda: transformers.GPT2LMHeadModel(
-    transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32))}
+ALL_MODELS = {
+    **MODELS,
+    "gpt2 (fused qkv, Conv1D)": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)),
+    "bert (masked LM)": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32)),
+    "t5 (encoder-decoder)": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
+    # experts run as one _grouped_mm, which has no float64 CPU kernel even in one process
+    "mixtral (MoE)": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **SMALL, num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def _loss(model: Any, which: str, ids: torch.Tensor) -> Any:
+    if which.startswith("t5"):
+        return model(input_ids=ids, decoder_input_ids=ids, labels=ids).loss
+    return model(input_ids=ids, labels=ids).loss
 
 
 def torch_style_plan(model: Any) -> dict[str, Any]:
@@ -95,17 +111,15 @@ def _train(which: str, dtype: torch.dtype, mesh_shape: tuple[int, ...], shard: b
     worst_loss = 0.0
     for _ in range(5):
         ids = torch.randint(0, 64, (4, 8), generator=g)
-        want = reference(input_ids=ids, labels=ids).loss
-        got = model(input_ids=ids[rows], labels=ids[rows]).loss  # torch-style: plain, the model ran on plain tensors
+        want = _loss(reference, which, ids)
+        got = _loss(model, which, ids[rows])  # torch-style: plain, the model ran on plain tensors
         for loss, opt in ((want, opts[0]), (got, opts[1])):
             loss.backward()
             opt.step()
             opt.zero_grad()
         assert isinstance(got, sw.DTensor) == (planner == "megatron")
-        mean = _full(got).detach().clone()
-        if dp > 1:  # each dp rank's loss is the mean over its samples: average them
-            dist.all_reduce(mean, group=mesh.get_group("dp"))
-            mean /= dp
+        # each dp rank's loss is the mean over its samples: the global batch's loss is their mean
+        mean = global_mean(got, mesh) if dp > 1 else _full(got).detach()
         worst_loss = max(worst_loss, abs(mean.item() - want.item()))
     worst_param = max((_full(q).detach() - p.detach()).abs().max().item()
                       for p, q in zip(reference.parameters(), model.parameters()))
@@ -125,7 +139,7 @@ def test_a_torch_style_plan_trains_an_unchanged_hf_model_like_one_process(which:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-@pytest.mark.parametrize("which", list(MODELS) + ["gpt2 (fused qkv, Conv1D)"])
+@pytest.mark.parametrize("which", [m for m in ALL_MODELS if not m.startswith("mixtral")])
 @distributed(world_size=2)
 def test_megatron_planner_trains_an_unchanged_hf_model_like_one_process(which: str, dtype: torch.dtype) -> None:
     # regressions: plain position ids and masks met replicated buffers (no implicit_replication()
@@ -165,3 +179,33 @@ def test_parallelize_module_leaves_what_the_plan_does_not_mention_plain_as_torch
     # the option that makes them replicated DTensors (shard_module's default) is still there
     other = parallelize_module(MODELS["llama (sdpa, GQA)"](), mesh, torch_style_plan(model), replicate_rest=True)
     assert all(isinstance(p, sw.DTensor) for p in other.parameters())
+
+
+@distributed(world_size=2)
+def test_megatron_planner_trains_an_unchanged_mixtral_like_one_process_in_float32() -> None:
+    with pytest.warns(UserWarning, match="left .* large parameter"):  # the experts: not split yet
+        loss, param = _train("mixtral (MoE)", torch.float32, (2,), planner="megatron")
+    assert loss <= 1e-5 and param <= 1e-5, (loss, param)
+
+
+def test_megatron_planner_reports_coverage_and_warns_on_large_replicated_parameters() -> None:
+    # regression: BERT got only its word embeddings and nothing said so
+    torch.manual_seed(0)
+    bert = ALL_MODELS["bert (masked LM)"]()
+    plan = MegatronPlanner().build_plan(bert)
+    assert plan.coverage is not None
+    for i in range(2):
+        layer = f"bert.encoder.layer.{i}."
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
+            assert isinstance(plan.plan[layer + name], ColwiseParallel), name
+        for name in ("attention.output.dense", "output.dense"):
+            assert isinstance(plan.plan[layer + name], RowwiseParallel), name
+        assert layer + "attention.self.query.weight" in plan.coverage.sharded
+    assert "bert.embeddings.position_embeddings.weight" in plan.coverage.replicated
+    table = str(plan.coverage)
+    assert "replicated (not in the plan)" in table and "parameters sharded" in table
+    assert plan.coverage.sharded_bytes + plan.coverage.replicated_bytes == sum(
+        p.numel() * p.element_size() for p in bert.parameters())
+    mixtral = ALL_MODELS["mixtral (MoE)"]()
+    with pytest.warns(UserWarning, match=r"left \d+ large parameter\(s\) of MixtralForCausalLM.*experts"):
+        MegatronPlanner().build_plan(mixtral)

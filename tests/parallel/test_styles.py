@@ -22,6 +22,7 @@ from shardwise.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -255,6 +256,19 @@ def test_embedding_sequence_and_prepare_styles_match_single_device(mesh_name: st
     out = kw(rows, 2.0, y=rows.chunk(n)[rank])
     assert kw.seen == ((Replicate(),), (Replicate(),))
     torch.testing.assert_close(out.full_tensor(), 3.0 * rows)
+
+    # PrepareModuleInputOutput: both sides in one style, the same as the two styles above
+    both = parallelize_module(Scale(), tp, PrepareModuleInputOutput(
+        input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None),
+        output_layouts=Replicate(), desired_output_layouts=Shard(0)))
+    again = rows.chunk(n)[rank].clone().requires_grad_(True)
+    out = both(again, 3.0)
+    assert both.seen == ((Replicate(),), None) and type(out) is torch.Tensor
+    torch.testing.assert_close(out, 3.0 * rows.chunk(n)[rank])
+    (out * out).sum().backward()
+    torch.testing.assert_close(again.grad, 18.0 * rows.chunk(n)[rank])
+    with pytest.raises(ValueError, match="one desired layout per input layout"):
+        PrepareModuleInputOutput(input_layouts=Shard(0), output_layouts=Replicate(), desired_output_layouts=Shard(0))
 
 
 @distributed(world_size=4)

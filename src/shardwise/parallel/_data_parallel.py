@@ -50,7 +50,7 @@ from .._spec import DTensorSpec, TensorMeta
 from .._tensor import DTensor
 from .._tensor._grad_reduce import deferred
 
-__all__ = ["data_parallel", "memory_report", "no_sync"]
+__all__ = ["data_parallel", "global_mean", "memory_report", "no_sync"]
 
 _STATE_ATTR = "_shardwise_data_parallel"
 
@@ -394,3 +394,18 @@ def memory_report(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def global_mean(value: Union[torch.Tensor, DTensor], mesh: DeviceMesh, dp_dim: Optional[Union[int, str]] = None) -> torch.Tensor:
+    """The mean over the data-parallel ranks of a per-rank value (each dp rank's loss is the mean
+    over its own samples): a plain tensor, the same on every rank, for logging.
+
+    A DTensor (a loss from tensor-parallel layers, laid out over the other mesh dims) is made
+    whole first. `dp_dim` as for `data_parallel` (default "dp" when the mesh names one, else 0).
+    Detached: not for backward. With equal batches per dp rank this is the loss
+    of the whole global batch.
+    """
+    names = mesh.mesh_dim_names
+    dim = mesh.mesh_dim_index(dp_dim if dp_dim is not None else "dp" if names is not None and "dp" in names else 0)
+    local = (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+    return comm.all_reduce(local.clone(), mesh.get_group(dim), mesh.size(dim), "avg", (dim,))

@@ -17,19 +17,27 @@ layers by name across the common model families, and by shape where names say no
 
 Column / row layers are only taken in pairs: a module whose children include both kinds.
 A module with exactly two linear children, the first expanding d -> k*d and the second
-contracting back, is an MLP whatever the names. Every style keeps DTensor outputs
+contracting back, is an MLP whatever the names. Where a block keeps them in separate
+submodules (BERT's `attention.self.query`, `attention.output.dense`, `intermediate.dense`,
+`output.dense`), each block of a ModuleList is read in order: q/k/v then the output
+projection, and an expanding layer followed by a contracting one. The plan carries its
+`coverage` (every parameter's layout and bytes), and a large parameter left replicated
+is warned about. Every style keeps DTensor outputs
 (`use_local_output=False`), so model code that views activations with global head counts
 runs unchanged; the LM head's logits stay vocab-sharded for a vocab-parallel loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 from torch import nn
 
 from .._placement import Replicate, Shard
+from ._coverage import coverage
 from ._plan import Sharder, ShardingPlan, ShardingPlanner
 from ._style import ColwiseParallel, RowwiseParallel, module_kind
 
@@ -112,5 +120,58 @@ class MegatronPlanner(ShardingPlanner):
                 if f1 is not None and f2 is not None and _expands_then_contracts(f1, f2):
                     plan[prefix + n1] = colwise
                     plan[prefix + n2] = rowwise
+        _plan_split_blocks(module, plan, colwise, rowwise)
         order = {path: i for i, (path, _) in enumerate(module.named_modules())}
-        return ShardingPlan(dict(sorted(plan.items(), key=lambda kv: order[kv[0]])))
+        built = ShardingPlan(dict(sorted(plan.items(), key=lambda kv: order[kv[0]])))
+        found = coverage(module, built)
+        big = found.large_replicated()
+        if found.replicated_matrix_share() > WARN_SHARE:
+            names = ", ".join(f"{r.name} {list(r.shape)}" for r in big[:5]) + (f" and {len(big) - 5} more" if len(big) > 5 else "")
+            warnings.warn(
+                f"MegatronPlanner left {len(big)} large parameter(s) of {type(module).__name__} replicated on every "
+                f"rank: {names} ({found.summary()}). Name them in a plan of your own (plan.coverage lists every "
+                f"parameter) if they should be split", stacklevel=2)
+        return dataclasses.replace(built, coverage=found)
+
+
+# warn when replicated matrices (2+ dims) hold more than this share of the parameter bytes:
+# a family whose layers were not recognised, not a position table
+WARN_SHARE = 0.10
+
+_ATTENTION_IN = frozenset({"q", "k", "v", "query", "key", "value", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv"})
+
+
+def _plan_split_blocks(module: nn.Module, plan: dict[str, Sharder], colwise: Sharder, rowwise: Sharder) -> None:
+    """Blocks whose column and row layers sit in different submodules (BERT: attention.self.query/
+    key/value, attention.output.dense, intermediate.dense, output.dense): in each element of a
+    ModuleList that the pass by parent did not touch, read the linear layers in order as
+    q/k/v (by name) then the attention output (same input width), and any layer expanding
+    d -> k*d followed by one contracting back."""
+    for path, m in module.named_modules():
+        if not isinstance(m, nn.ModuleList):
+            continue
+        for i, block in enumerate(m):
+            base = f"{path}.{i}" if path else str(i)
+            linears = [(f"{base}.{n}", c, _features(c)) for n, c in block.named_modules() if n and _features(c) is not None]
+            if not linears or any(p in plan for p, _, _ in linears):
+                continue
+            k = 0
+            while k < len(linears):
+                run = k
+                while run < len(linears) and linears[run][0].rsplit(".", 1)[-1] in _ATTENTION_IN:
+                    run += 1
+                if run - k >= 2 and run < len(linears):
+                    f_q, f_o = linears[k][2], linears[run][2]
+                    if f_q is not None and f_o is not None and f_o[0] == f_q[1]:  # o reads what q writes
+                        plan.update({p: colwise for p, _, _ in linears[k:run]})
+                        plan[linears[run][0]] = rowwise
+                        k = run + 1
+                        continue
+                if k + 1 < len(linears):
+                    f1, f2 = linears[k][2], linears[k + 1][2]
+                    if f1 is not None and f2 is not None and _expands_then_contracts(f1, f2):
+                        plan[linears[k][0]] = colwise
+                        plan[linears[k + 1][0]] = rowwise
+                        k += 2
+                        continue
+                k += 1

@@ -25,7 +25,7 @@ import abc
 import difflib
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union, cast
 
@@ -38,6 +38,7 @@ from .._partition_spec import to_placements
 from .._placement import Placement
 
 if TYPE_CHECKING:
+    from ._coverage import Coverage
     from .._mesh import DeviceMesh
 
 __all__ = ["ShardingPlan", "ShardingPlanner", "Sharder"]
@@ -100,6 +101,7 @@ class ShardingPlan:
       pattern (`"blocks.*.q"`, `""` for the root) -> `Sharder`.
     - `output_plan`: submodule name -> the layout its (DTensor) output is redistributed to.
     - `return_local_tensor`: submodules whose DTensor outputs become local tensors.
+    - `coverage`: set by planners: what the plan shards and leaves replicated.
 
     Values are canonicalised on construction (placements and specs become tuples, mappings
     read-only), so equal plans compare and hash equal.
@@ -108,6 +110,8 @@ class ShardingPlan:
     plan: Mapping[str, Union[LayoutLike, Sharder]]
     output_plan: Optional[Mapping[str, LayoutLike]] = None
     return_local_tensor: Optional[Sequence[str]] = None
+    # what a planner's plan shards and leaves replicated (`coverage()`); not part of the plan's identity
+    coverage: Optional["Coverage"] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problems: list[str] = []

@@ -54,6 +54,7 @@ __all__ = [
     "SequenceParallel",
     "PrepareModuleInput",
     "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
 ]
 
 Layouts = tuple[Optional[Placement], ...]  # canonical: one entry per input / output
@@ -400,4 +401,39 @@ class PrepareModuleOutput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_hook(lambda m, _args, outputs: self._prepare(m, outputs, device_mesh))
+        return module
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareModuleInputOutput(ParallelStyle):
+    """`PrepareModuleInput` on a module's inputs and `PrepareModuleOutput` on its outputs, in one style.
+
+    The arguments are theirs (`use_local_input` is the input side's `use_local_output`) and are
+    checked as they check them, when the style is made.
+    """
+
+    input_layouts: Optional[LayoutsLike] = None
+    desired_input_layouts: Optional[LayoutsLike] = None
+    input_kwarg_layouts: Optional[Mapping[str, Placement]] = None
+    desired_input_kwarg_layouts: Optional[Mapping[str, Placement]] = None
+    use_local_input: bool = False
+    output_layouts: LayoutsLike
+    desired_output_layouts: LayoutsLike
+    use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        self._sides()  # one style's checks, and its errors, for each side
+
+    def _sides(self) -> tuple[PrepareModuleInput, PrepareModuleOutput]:
+        inputs = PrepareModuleInput(
+            input_layouts=self.input_layouts, desired_input_layouts=self.desired_input_layouts,
+            input_kwarg_layouts=self.input_kwarg_layouts, desired_input_kwarg_layouts=self.desired_input_kwarg_layouts,
+            use_local_output=self.use_local_input)
+        outputs = PrepareModuleOutput(output_layouts=self.output_layouts, desired_output_layouts=self.desired_output_layouts,
+                                      use_local_output=self.use_local_output)
+        return inputs, outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for side in self._sides():
+            side._apply(module, device_mesh)
         return module
