@@ -74,7 +74,7 @@ PIPELINE = [
     "Action", "Batch", "DeferredBatchNorm", "DistributedPipe", "GPipe", "Namespace", "Pipe", "PipelineError",
     "PipelineStage", "Schedule", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "Timeline",
     "TimelineEvent", "balance_by_size", "balance_by_time", "balance_cost", "check", "clock_cycles",
-    "current_timeline", "gather", "inspect_skip_layout", "is_checkpointing", "is_recomputing", "pop", "scatter",
+    "current_timeline", "gather", "hf_loss", "hf_sequential", "inspect_skip_layout", "is_checkpointing", "is_recomputing", "pop", "scatter",
     "skip", "skippable", "split_module", "stash", "verify_skippables",
 ]
 

@@ -12,6 +12,7 @@ process: parameters to 1e-10 in float64 and 1e-5 in float32. The losses are comp
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,9 @@ ALL_MODELS = {
         max_position_embeddings=32)),
     "t5 (encoder-decoder)": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
+    "vit (image classification)": lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=8, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        num_labels=5)),
     # experts run as one _grouped_mm, which has no float64 CPU kernel even in one process
     "mixtral (MoE)": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **SMALL, num_local_experts=4, num_experts_per_tok=2)),
@@ -51,6 +55,10 @@ ALL_MODELS = {
 
 
 def _loss(model: Any, which: str, ids: torch.Tensor) -> Any:
+    if which.startswith("vit"):  # 3x8x8 images and labels made from each row of ids
+        dtype = next(model.parameters()).dtype
+        pixels = torch.sin(ids.to(dtype).repeat(1, 24) * torch.arange(1, 193, dtype=dtype)).view(-1, 3, 8, 8)
+        return model(pixel_values=pixels, labels=ids[:, 0] % 5).loss
     if which.startswith("t5"):
         return model(input_ids=ids, decoder_input_ids=ids, labels=ids).loss
     return model(input_ids=ids, labels=ids).loss
@@ -122,8 +130,15 @@ def _train(which: str, dtype: torch.dtype, mesh_shape: tuple[int, ...], shard: b
         mean = global_mean(got, mesh) if dp > 1 else _full(got).detach()
         worst_loss = max(worst_loss, abs(mean.item() - want.item()))
     worst_param = max((_full(q).detach() - p.detach()).abs().max().item()
-                      for p, q in zip(reference.parameters(), model.parameters()))
+                      for (name, p), q in zip(reference.named_parameters(), model.parameters())
+                      if not (dtype == torch.float32 and name.endswith(NOISE_ONLY)))
     return worst_loss, worst_param
+
+
+# A key projection's bias adds the same q.b_k to every score of a query, which softmax ignores:
+# its gradient is exactly 0, so what reaches it is rounding noise. In float32 that noise (~1e-9)
+# is of the order of AdamW's eps, so one process and the mesh step it by different noise.
+NOISE_ONLY = ("attention.k_proj.bias",)
 
 
 TOL = {torch.float64: (1e-6, 1e-10), torch.float32: (1e-5, 1e-5)}
@@ -209,3 +224,42 @@ def test_megatron_planner_reports_coverage_and_warns_on_large_replicated_paramet
     mixtral = ALL_MODELS["mixtral (MoE)"]()
     with pytest.warns(UserWarning, match=r"left \d+ large parameter\(s\) of MixtralForCausalLM.*experts"):
         MegatronPlanner().build_plan(mixtral)
+
+
+def _train_step(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor) -> Any:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("which", ["llama (sdpa, GQA)", "gpt2 (fused qkv, Conv1D)"])
+@distributed(world_size=2)
+def test_compile_replays_an_hf_train_step_like_eager(which: str) -> None:
+    # regressions: sdpa (dropout_p=0) was refused as random, the first call's one-time plain-tensor
+    # check read values, and AdamW's float32 step count put the replay 1e-8 off eager in float64
+    torch.manual_seed(0)
+    reference = ALL_MODELS[which]().double()
+    reference.eval()
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    models = [copy.deepcopy(reference), copy.deepcopy(reference)]  # compiled, eager
+    for m in models:
+        shard_module(m, MegatronPlanner(), mesh)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (*models, reference)]
+    step = sw.compile(_train_step)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in range(5):
+            ids = torch.randint(0, 64, (4, 8), generator=g)
+            got = step(models[0], opts[0], ids)
+            want = _train_step(models[1], opts[1], ids)
+            one = _train_step(reference, opts[2], ids)
+            assert abs(got.full_tensor().item() - want.full_tensor().item()) <= 1e-12, call
+            assert abs(got.full_tensor().item() - one.item()) <= 1e-6, call  # HF's loss is float32
+    messages = [str(w.message) for w in caught if "shardwise.compile" in str(w.message)]
+    assert not messages and step.programs() == 1, (messages, step.programs())  # calls 2-4 replayed
+    for p, q, r in zip(models[0].parameters(), models[1].parameters(), reference.parameters()):
+        assert (p.full_tensor() - q.full_tensor()).abs().max().item() <= 1e-12
+        assert (p.full_tensor() - r.detach()).abs().max().item() <= 1e-10

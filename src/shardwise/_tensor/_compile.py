@@ -21,10 +21,13 @@ state changed in place is changed in place by the replay. A call that creates op
 state (the first step) is not kept: the next call, which finds the state, is traced.
 A compiled function called inside another's trace runs as part of that trace.
 
-What cannot be replayed is refused after the trace and that signature runs eagerly from
-then on, with a one-time warning naming the reason: values read back into Python
-(`.item()`, data-dependent shapes), random ops, collectives outside `shardwise._comm`,
-and an input DTensor whose layout `fn` changed in place. Outputs carry no autograd history
+What cannot be replayed is refused after the trace: values read back into Python
+(`.item()`, data-dependent shapes), random ops (not those with a dropout probability of 0,
+as attention is called in eval), collectives outside `shardwise._comm`, and an input
+DTensor whose layout `fn` changed in place. A refused signature is traced once more on its
+next call (a first call may read values for one-time work, such as the ranks agreeing on a
+plain tensor once); refused again, it runs eagerly from then on, with a one-time warning
+naming the reason. Outputs carry no autograd history
 (they are detached, on the traced call too): the replay is not differentiable from outside,
 so take gradients inside `fn`.
 
@@ -34,11 +37,11 @@ bias corrections `1 - beta ** step`, which a trace would bake in as constants; s
 tracing, each Adam/AdamW argument whose parameters are on the CPU (and that is neither
 `differentiable` nor `fused`) steps on torch's `capturable` path, which computes them from
 the step-count tensor inside the graph. The flag is set for the trace only. The step count
-stays one 0-dim tensor that every replay increments in place. That path rounds the bias
-corrections to float32 where eager keeps Python floats: beta2 = 0.999 is not exact in float32
-and `1 - beta2 ** step` cancels, so in the first thousand steps it is off by about 1e-5 to
-2e-5 relative and each update's size by half that (after a few steps at lr = 1e-2, parameters
-differ from eager by a few 1e-7), as with torch's own `capturable=True`. Other
+stays one 0-dim tensor that every replay increments in place; it is kept in float64 (torch
+makes it float32), so the bias corrections round as eager's Python floats do and a replayed
+step differs from eager only by the capturable formula's order of operations (about 1e-16
+relative in float64). The first step, which creates the optimizer's state and is never kept,
+runs on the eager path, so its numbers are eager's exactly. Other
 optimizers that read a step count with `.item()` (Adagrad, Adamax, ASGD, NAdam, RAdam,
 Adafactor) and Adam on other devices run eagerly, with the warning.
 
@@ -130,6 +133,21 @@ def _reads_step_count(group: dict[str, Any]) -> bool:
             and all(p.device.type == "cpu" for p in group["params"]))
 
 
+def _steps_in_float64(leaves: list[Any]) -> None:
+    """Keep the step count of each traced Adam/AdamW in float64 (torch makes it float32 unless
+    the default dtype is float64), so the bias corrections the capturable path computes from
+    it round as eager's Python floats do, not to float32."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.optim.Adam):
+            for group in leaf.param_groups:
+                if _reads_step_count(group):
+                    for p in group["params"]:
+                        state: dict[str, Any] = leaf.state.get(p) or {}
+                        step = state.get("step")
+                        if isinstance(step, torch.Tensor) and step.dtype != torch.float64:
+                            state["step"] = step.to(torch.float64)
+
+
 @contextlib.contextmanager
 def _adam_steps_as_tensors(leaves: list[Any]) -> Iterator[None]:
     """While tracing, step Adam and AdamW arguments on their `capturable` path.
@@ -140,8 +158,11 @@ def _adam_steps_as_tensors(leaves: list[Any]) -> Iterator[None]:
     replay. The flag is set only for the trace (the signature was taken before and sees the
     user's value), and torch's device rule for capturable steps is widened to the CPU.
     """
+    # a group without state yet is taking its first step, which is never kept (see `_FIRST_STEP`):
+    # it steps as in eager, so the call gives eager's numbers
     groups = [group for leaf in leaves if isinstance(leaf, torch.optim.Adam)
-              for group in leaf.param_groups if _reads_step_count(group)]
+              for group in leaf.param_groups
+              if _reads_step_count(group) and all(leaf.state.get(p) for p in group["params"])]
     if not groups:
         yield
         return
@@ -189,6 +210,17 @@ _DATA_DEPENDENT_TAGS = {torch.Tag.data_dependent_output, torch.Tag.dynamic_outpu
 _NOT_REPLAYABLE = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
 
 
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether a seeded op really draws random numbers: not when its dropout probability is a
+    literal 0 (attention with `dropout_p=0.0`, as models call it in eval or with no dropout)."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    for i, arg in enumerate(schema.arguments):
+        if arg.name in ("dropout_p", "p"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+            return not (isinstance(value, (int, float)) and value == 0)
+    return True
+
+
 def _refusal(gm: torch.fx.GraphModule) -> Optional[str]:
     """Why this graph cannot be replayed, or None."""
     for node in gm.graph.nodes:
@@ -197,7 +229,7 @@ def _refusal(gm: torch.fx.GraphModule) -> Optional[str]:
             continue
         if target in _NOT_REPLAYABLE or _DATA_DEPENDENT_TAGS.intersection(target.tags):
             return f"{target} reads tensor values at trace time (data-dependent shape or value)"
-        if torch.Tag.nondeterministic_seeded in target.tags:
+        if torch.Tag.nondeterministic_seeded in target.tags and _draws(node):
             return f"{target} draws random numbers (the replay would repeat the traced ones)"
         if target.namespace in ("c10d", "_c10d_functional"):
             return f"{target} is a collective issued outside shardwise._comm"
@@ -250,6 +282,7 @@ class _Program:
 
 
 _EAGER = object()  # a signature that runs eagerly (its trace was refused)
+_RETRY = object()  # a signature whose first trace was refused: traced once more
 _FIRST_STEP = "fn created optimizer state (a first step): later calls, with the state, are traced and replayed"
 _TRACING = [False]  # a trace is running (on this process: tracing holds `_compile_comm`'s lock)
 
@@ -267,12 +300,13 @@ class CompiledFunction:
         if _TRACING[0]:  # called from inside another compiled function's trace: becomes part of it
             return self._fn(*args, **kwargs)
         leaves, tree = pytree.tree_flatten((args, kwargs))
+        _steps_in_float64(leaves)
         slots, extra = _slots(leaves)
         state = [get() for get, _ in slots]
         key = (tree, torch.is_grad_enabled(), tuple(_tensor_key(x) for x in leaves),
                tuple(_tensor_key(x) for x in state), tuple(extra))
         program = self._programs.get(key)
-        if program is None:
+        if program is None or program is _RETRY:
             return self._trace(key, args, kwargs, leaves, slots, state)
         if program is _EAGER:
             return self._fn(*args, **kwargs)
@@ -310,11 +344,16 @@ class CompiledFunction:
             finally:
                 _TRACING[0] = False
         out, out_tree, after = seen["out"], seen["tree"], seen["after"]
-        reason = _refusal(gm) or self._check(inputs, before, pytree.tree_leaves(out), slots, state, after)
+        reason = self._check(inputs, before, pytree.tree_leaves(out), slots, state, after)
+        if reason is not _FIRST_STEP:  # a first step is expected, not a problem: the next call traces
+            reason = _refusal(gm) or reason
         if reason is not None:
             forget_calls(calls)
-            self._programs[key] = _EAGER
-            if reason not in self._warned and reason is not _FIRST_STEP:  # a first step is expected, not a problem
+            # values read on a first call may come from one-time work (caches filling, the ranks
+            # checking a plain tensor once): the second call traces again before giving up
+            retry = reason is not _FIRST_STEP and self._programs.get(key) is not _RETRY
+            self._programs[key] = _RETRY if retry else _EAGER
+            if not retry and reason not in self._warned and reason is not _FIRST_STEP:
                 self._warned.add(reason)
                 name = getattr(self._fn, "__qualname__", repr(self._fn))
                 warnings.warn(f"shardwise.compile({name}) runs eagerly for this signature: {reason}", stacklevel=3)

@@ -106,9 +106,10 @@ def _argument_problems(balance: list[Any], chunks: int, checkpoint: str,
 
 
 def check_arguments(module: nn.Sequential, balance: Iterable[int], chunks: int, checkpoint: str,
-                    what: str) -> list[int]:
+                    what: str, *, allow_shared: bool = False) -> list[int]:
     """Every check a pipeline makes before cutting `module` (shared by `Pipe` and the
-    multi-process runtime); all argument problems raised at once. Returns the balance."""
+    multi-process runtime); all argument problems raised at once. Returns the balance.
+    `allow_shared`: partitions may share parameters (the runtime sums their gradients)."""
     _verify_module(module)
     balance = list(balance)
     problems, balance_is_wrong = _argument_problems(balance, chunks, checkpoint, module)
@@ -117,7 +118,7 @@ def check_arguments(module: nn.Sequential, balance: Iterable[int], chunks: int, 
             f"{len(problems)} problems with the {what} arguments:\n" + "\n".join(f"  - {p}" for p in problems)
         raise ValueError(recommend_auto_balance(message) if balance_is_wrong else message)
     verify_skippables(module)
-    shared = _shared_parameter_problems(module, balance)
+    shared = [] if allow_shared else _shared_parameter_problems(module, balance)
     if shared:
         raise ValueError(shared[0])
     return balance

@@ -22,6 +22,11 @@ With a `dp` mesh dim, each data-parallel replica runs its own pipeline on its ow
 averages its parameters' gradients over its dp group, bucketed, one `all_reduce` per
 bucket; a parameter that no replica gave a gradient keeps `grad=None`.
 
+Shared parameters: stages on different pp ranks may use one parameter (embeddings tied to
+the LM head). Each of those ranks keeps its own copy; after the step they sum their
+gradients (one all_reduce per set of ranks, in a group of just those ranks), so every
+copy gets the whole gradient and steps alike, as the one parameter would.
+
 Failures: a stage that raises tells every stage waiting on it (see `_wire`), which tell
 theirs, and all stop; at the end of every step the pp ranks compare outcomes (one small
 all_gather), so a rank that had finished its part still fails when another did. The
@@ -37,7 +42,7 @@ process like a mesh's groups; `close()` releases it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -98,7 +103,7 @@ class DistributedPipe(nn.Module):
         super().__init__()
         balance = list(balance)
         dp_dim = _check_arguments(mesh, pp_dim, dp_dim, schedule, virtual_stages, len(balance), chunks)
-        partitions = split_module(module, balance, chunks=chunks, checkpoint=checkpoint)
+        partitions = split_module(module, balance, chunks=chunks, checkpoint=checkpoint, allow_shared=True)
         pp = mesh.size(pp_dim)
         self.mesh, self.pp_dim, self.dp_dim = mesh, pp_dim, dp_dim
         self.chunks, self.checkpoint, self.loss_fn, self.balance = chunks, checkpoint, loss_fn, balance
@@ -116,12 +121,14 @@ class DistributedPipe(nn.Module):
         self.partitions = nn.ModuleDict({str(j): part for j, part in mine.items()})
         self.stages = {j: PipelineStage(part, j, len(balance), self.rank) for j, part in mine.items()}
         self.num_stages = len(balance)
+        shared = _shared_across_ranks(partitions, self.schedule.stage_rank)
         del partitions, mine  # the other ranks' layers are not kept here
 
         self.plan = ChannelPlan(self.num_stages, self.skip_routes,
                                 [pp_ranks[self.schedule.stage_rank(s)] for s in range(self.num_stages)])
         self._group = _p2p_group(mesh, mesh.mesh_dim_index(pp_dim))
         self._wire = Wire(self._group, self.device, len(self.plan.channels))
+        self._shared = _shared_groups(mesh, mesh.mesh_dim_index(pp_dim), shared, self.partitions)
         self._dp_group = mesh.get_group(dp_dim) if dp_dim is not None else None
         self._dp_size = mesh.size(dp_dim) if dp_dim is not None else 1
         self._broken: Optional[str] = None
@@ -138,6 +145,7 @@ class DistributedPipe(nn.Module):
                              "or call the pipe (forward only) for outputs")
         run = StepRun(self, train=True)
         self._execute(run, self.schedule.rank_order(self.pp_rank), input, target)
+        self._sum_shared_gradients()
         self._reduce_gradients()
         return run.loss if self._holds(self.num_stages - 1) else None
 
@@ -156,6 +164,10 @@ class DistributedPipe(nn.Module):
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
+        for shared in self._shared:
+            if shared.group is not None:
+                dist.destroy_process_group(shared.group)
+        self._shared = []
 
     def extra_repr(self) -> str:
         return (f"schedule={self.schedule!r}, balance={self.balance}, pp_rank={self.pp_rank}, "
@@ -247,6 +259,24 @@ class DistributedPipe(nn.Module):
         self._broken = reason
         self._abandoned += self._wire.abandon()
 
+    def _sum_shared_gradients(self) -> None:
+        """A parameter that stages on several pp ranks share (tied embeddings) gets the sum of
+        their gradients on each of them, so every copy steps alike."""
+        for shared in self._shared:
+            if shared.group is None:
+                continue
+            try:
+                summed = comm.all_reduce_coalesced([p.grad for p in shared.params], shared.group, len(shared.holders),
+                                                   "sum", templates=shared.params,
+                                                   bucket_bytes=int(self.bucket_cap_mb * 2**20))
+            except RuntimeError as exc:
+                raise PipelineError(
+                    f"rank {self.rank}: summing the gradients of {shared.names} over the pp ranks "
+                    f"{list(shared.holders)} that share them failed ({exc}): one of them probably failed") from exc
+            for p, piece in zip(shared.params, summed):
+                if piece is not None:
+                    p.grad = piece.clone()
+
     def _reduce_gradients(self) -> None:
         """Average this rank's gradients over dp: one all_reduce per bucket of about `bucket_cap_mb`."""
         if self._dp_group is None or self._dp_size == 1:
@@ -306,6 +336,50 @@ def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], sched
         raise ValueError(problems[0] if len(problems) == 1 else f"{len(problems)} problems with the "
                          "DistributedPipe arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     return dp_dim
+
+
+class _Shared(NamedTuple):
+    holders: tuple[int, ...]  # the pp indices whose stages use these parameters
+    names: list[str]  # as "stage.parameter", for errors
+    group: Any  # this rank's pp slice's group of the holders, None when this rank holds none
+    params: list[nn.Parameter]  # this rank's (empty when it holds none)
+
+
+def _shared_across_ranks(partitions: Sequence[nn.Module], stage_rank: Callable[[int], int]
+                         ) -> list[tuple[tuple[int, ...], str, int]]:
+    """(pp indices, name, id) of every trainable parameter that stages on different pp ranks use."""
+    seen: dict[int, tuple[str, list[int]]] = {}
+    for j, part in enumerate(partitions):
+        for name, p in part.named_parameters():
+            if p.requires_grad:
+                holders = seen.setdefault(id(p), (f"{j}.{name}", []))[1]
+                if stage_rank(j) not in holders:
+                    holders.append(stage_rank(j))
+    return [(tuple(sorted(holders)), name, key) for key, (name, holders) in seen.items() if len(holders) > 1]
+
+
+def _shared_groups(mesh: DeviceMesh, pp_index: int, shared: list[tuple[tuple[int, ...], str, int]],
+                   local: nn.Module) -> list[_Shared]:
+    """One process group per set of pp ranks sharing parameters, in every pp slice (every
+    process creates them all, in the same order, as `new_group` requires)."""
+    mine = {id(p): p for p in local.parameters()}
+    by_holders: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+    for holders, name, key in shared:
+        by_holders.setdefault(holders, []).append((name, key))
+    pp = mesh.shape[pp_index]
+    rows = mesh.mesh.movedim(pp_index, -1).reshape(-1, pp).tolist()
+    backend = "nccl" if mesh.device_type == "cuda" else None
+    out = []
+    for holders, entries in by_holders.items():
+        group = None
+        for row in rows:
+            ranks = [row[k] for k in holders]
+            made = dist.new_group(ranks, timeout=collective_timeout(), backend=backend)
+            if dist.get_rank() in ranks:
+                group = made
+        params = [mine[key] for _, key in entries if key in mine]
+        out.append(_Shared(holders, [name for name, _ in entries], group if params else None, params))
+    return out
 
 
 def _default_device(mesh: DeviceMesh) -> torch.device:

@@ -38,12 +38,13 @@ __all__ = ["PipelineStage", "SkipTrackerThroughRanks", "split_module"]
 
 
 def split_module(module: nn.Sequential, balance: Sequence[int], *, chunks: int = 1,
-                 checkpoint: str = "except_last") -> list[nn.Sequential]:
+                 checkpoint: str = "except_last", allow_shared: bool = False) -> list[nn.Sequential]:
     """`module`'s layers cut into `len(balance)` partitions (`balance[j]` layers in partition
     `j`), after the checks `Pipe` makes: an `nn.Sequential` without duplicate children,
     positive balance entries adding up to `len(module)`, valid `chunks` and `checkpoint`,
-    matching skips, no parameter shared across partitions. All problems are raised at once."""
-    balance = check_arguments(module, balance, chunks, checkpoint, "pipeline")
+    matching skips, no parameter shared across partitions (unless `allow_shared`). All
+    problems are raised at once."""
+    balance = check_arguments(module, balance, chunks, checkpoint, "pipeline", allow_shared=allow_shared)
     layers = iter(module._modules.items())
     return [nn.Sequential(OrderedDict(next(layers) for _ in range(size))) for size in balance]
 
