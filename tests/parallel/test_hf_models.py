@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.parallel import (ColwiseParallel, MegatronPlanner, RowwiseParallel, SequenceParallel, data_parallel,
+from shardwise.parallel import (ColwiseParallel, ExpertParallel, MegatronPlanner, RowwiseParallel, SequenceParallel, data_parallel,
                                 global_mean, parallelize_module, shard_module)
 from shardwise.testing import distributed
 
@@ -75,13 +75,25 @@ def torch_style_plan(model: Any) -> dict[str, Any]:
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[p + name] = ColwiseParallel()
+            if _has(layer, name):
+                plan[p + name] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[p + name] = RowwiseParallel()
+            if _has(layer, name):
+                plan[p + name] = RowwiseParallel()
+        if _has(layer, "mlp.experts"):  # a mixture of experts: whole experts per rank
+            plan[p + "mlp.experts"] = ExpertParallel()
         for name in ("q_norm", "k_norm"):
             if hasattr(layer.self_attn, name):  # (batch, seq, heads, head_dim): the heads are split
                 plan[p + "self_attn." + name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
+
+
+def _has(module: torch.nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -198,9 +210,17 @@ def test_parallelize_module_leaves_what_the_plan_does_not_mention_plain_as_torch
 
 @distributed(world_size=2)
 def test_megatron_planner_trains_an_unchanged_mixtral_like_one_process_in_float32() -> None:
-    with pytest.warns(UserWarning, match="left .* large parameter"):  # the experts: not split yet
-        loss, param = _train("mixtral (MoE)", torch.float32, (2,), planner="megatron")
-    assert loss <= 1e-5 and param <= 1e-5, (loss, param)
+    # regression: the experts stayed replicated on every rank (with a warning); now each rank
+    # holds whole experts (ExpertParallel) and nothing large is left replicated
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        plan = MegatronPlanner().build_plan(ALL_MODELS["mixtral (MoE)"]())
+    for i in range(2):
+        assert isinstance(plan.plan[f"model.layers.{i}.mlp.experts"], ExpertParallel)
+        assert f"model.layers.{i}.mlp.experts.gate_up_proj" in plan.coverage.sharded
+    for planner in ("megatron", "torch-style"):  # DTensor and plain tokens
+        loss, param = _train("mixtral (MoE)", torch.float32, (2,), planner=planner)
+        assert loss <= 1e-5 and param <= 1e-5, (planner, loss, param)
 
 
 def test_megatron_planner_reports_coverage_and_warns_on_large_replicated_parameters() -> None:
@@ -221,9 +241,14 @@ def test_megatron_planner_reports_coverage_and_warns_on_large_replicated_paramet
     assert "replicated (not in the plan)" in table and "parameters sharded" in table
     assert plan.coverage.sharded_bytes + plan.coverage.replicated_bytes == sum(
         p.numel() * p.element_size() for p in bert.parameters())
-    mixtral = ALL_MODELS["mixtral (MoE)"]()
-    with pytest.warns(UserWarning, match=r"left \d+ large parameter\(s\) of MixtralForCausalLM.*experts"):
-        MegatronPlanner().build_plan(mixtral)
+    class Unusual(torch.nn.Module):  # a matrix in no layer the planner knows
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.zeros(64, 64))
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 8))
+
+    with pytest.warns(UserWarning, match=r"left 1 large parameter\(s\) of Unusual replicated.*table \[64, 64\]"):
+        MegatronPlanner().build_plan(Unusual())
 
 
 def _train_step(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor) -> Any:

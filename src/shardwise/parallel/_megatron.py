@@ -14,6 +14,7 @@ layers by name across the common model families, and by shape where names say no
 | MLP down | down, c_proj, down_proj, fc2, w2, fc_out | Rowwise |
 | token embedding | tok, wte, embed_tokens, tok_embeddings, word_embeddings | Rowwise (vocab) |
 | LM head | head, lm_head, output | Colwise (vocab), output left S(-1) |
+| experts (parameters stacking `num_experts` along dim 0) | any (Mixtral's `experts`) | ExpertParallel |
 
 Column / row layers are only taken in pairs: a module whose children include both kinds.
 A module with exactly two linear children, the first expanding d -> k*d and the second
@@ -38,6 +39,7 @@ from torch import nn
 
 from .._placement import Replicate, Shard
 from ._coverage import coverage
+from ._experts import ExpertParallel, expert_parameters
 from ._plan import Sharder, ShardingPlan, ShardingPlanner
 from ._style import ColwiseParallel, RowwiseParallel, module_kind
 
@@ -106,6 +108,9 @@ class MegatronPlanner(ShardingPlanner):
                 if not vocab or m.out_features in vocab:
                     plan[path] = head
             if kind is not None:
+                continue
+            if expert_parameters(m):  # a mixture of experts: split by whole experts
+                plan[path] = ExpertParallel()
                 continue
             prefix = f"{path}." if path else ""
             linears = [(n, c) for n, c in m.named_children() if _features(c) is not None]
