@@ -24,23 +24,18 @@ from shardwise.pipeline import DistributedPipe, hf_loss, hf_sequential
 from shardwise.testing import distributed
 
 transformers = pytest.importorskip("transformers")  # a test dependency (pyproject's [test] extra)
+from ..parallel.test_hf_models import ALL_MODELS, SMALL  # noqa: E402  (the same tiny configs)
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=32)
 MODELS: dict[str, Callable[[], Any]] = {
-    "llama (sdpa, GQA)": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)),
-    "qwen3 (q/k norms)": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL, head_dim=8)),
+    "llama (sdpa, GQA)": ALL_MODELS["llama (sdpa, GQA)"],
+    "qwen3 (q/k norms)": ALL_MODELS["qwen3 (q/k norms)"],
     "qwen2 (full, then sliding layers)": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         **SMALL, use_sliding_window=True, sliding_window=3, max_window_layers=1)),
-    "mistral (sliding window 4)": lambda: transformers.MistralForCausalLM(
-        transformers.MistralConfig(**SMALL, sliding_window=4)),
-    "gpt2 (tied embeddings)": lambda: transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)),
-    "t5 (encoder-decoder, tied)": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
+    "mistral (sliding window 4)": ALL_MODELS["mistral (sliding window 4)"],
+    "gpt2 (tied embeddings)": ALL_MODELS["gpt2 (fused qkv, Conv1D)"],
+    "t5 (encoder-decoder, tied)": ALL_MODELS["t5 (encoder-decoder)"],
     # experts run as one _grouped_mm, which has no float64 CPU kernel even in one process
-    "mixtral (MoE)": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral (MoE)": ALL_MODELS["mixtral (MoE)"],
 }
 TOL = {torch.float64: (1e-6, 1e-10), torch.float32: (1e-5, 1e-5)}
 SEQ = 9  # longer than the sliding windows
