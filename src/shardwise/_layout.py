@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
 
-from ._placement import Placement, Shard
+from ._placement import Placement, Shard, _StridedShard
 
 __all__ = [
     "Layout",
@@ -45,6 +45,7 @@ __all__ = [
     "global_shape_from_local",
     "contiguous_strides",
     "format_placements",
+    "check_strided",
 ]
 
 # The one representation of a split order, stored in specs and layouts, returned by
@@ -103,7 +104,7 @@ def normalize_placements(
             raise TypeError(
                 f"{what}[{i}] is {p!r} of type {type(p).__name__}: use Shard(dim), Replicate() or Partial()"
             )
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             d = p.dim
             if not -tensor_ndim <= d < tensor_ndim:
                 lo = -tensor_ndim if tensor_ndim else 0
@@ -112,7 +113,7 @@ def normalize_placements(
                     f"{what}[{i}] = {p} is out of range for a {tensor_ndim}-D tensor: {hint}"
                 )
             if d < 0:
-                p = Shard(d + tensor_ndim)
+                p = Shard(d + tensor_ndim) if isinstance(p, Shard) else _StridedShard(d + tensor_ndim, split_factor=p.split_factor)
         out.append(p)
     return tuple(out)
 
@@ -181,7 +182,32 @@ def local_shape_and_offset(
             start, size = chunk_range(size, mesh_shape[m], coordinate[m])
             off += start
         shape[d], offset[d] = size, off
+    for m, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            size, n = check_strided(global_shape, mesh_shape, placements, m)
+            part = size // p.split_factor
+            start, length = chunk_range(part, n, coordinate[m])
+            # the offset is the piece's place in the parts' pieces laid rank after rank
+            shape[p.dim], offset[p.dim] = length * p.split_factor, start * p.split_factor
     return tuple(shape), tuple(offset)
+
+
+def check_strided(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], m: int) -> tuple[int, int]:
+    """(dim size, mesh dim size) of the `_StridedShard` on mesh dim `m`, checked: its parts
+    split evenly over the mesh dim and no other mesh dim splits its tensor dim."""
+    p = placements[m]
+    assert isinstance(p, _StridedShard)
+    size, n = global_shape[p.dim], mesh_shape[m]
+    if size % (p.split_factor * n):
+        raise ValueError(
+            f"{p} on mesh dim {m} needs tensor dim {p.dim} (size {size}) to hold {p.split_factor} equal parts that "
+            f"each split evenly {n} ways: use a size divisible by {p.split_factor * n}, or Shard({p.dim})")
+    others = [k for k, q in enumerate(placements) if k != m and isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim]
+    if others:
+        raise ValueError(
+            f"{format_placements(placements)}: tensor dim {p.dim} is split by {p} on mesh dim {m} and by mesh "
+            f"dim(s) {others}; a _StridedShard dim cannot be split further: shard another tensor dim")
+    return size, n
 
 
 def max_local_shape(
@@ -197,7 +223,7 @@ def global_shape_from_local(
     """Global shape assuming every rank holds an equal piece (what `from_local` infers)."""
     shape = list(local_shape)
     for m, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             shape[p.dim] *= mesh_shape[m]
     return tuple(shape)
 

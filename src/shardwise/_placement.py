@@ -12,9 +12,9 @@ error messages (`S(0)`, `R`, `P(sum)`).
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "ReduceOp", "REDUCE_OPS"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "ReduceOp", "REDUCE_OPS", "_StridedShard"]
 
 ReduceOp = Literal["sum", "avg", "max", "min"]
 REDUCE_OPS: Final = ("sum", "avg", "max", "min")
@@ -66,6 +66,55 @@ class Shard(Placement):
 
     def __reduce__(self) -> tuple[type[Shard], tuple[int]]:
         return (Shard, (self.dim,))
+
+
+class _StridedShard(Placement):
+    """Tensor dim `dim` holds `split_factor` equal parts side by side (a fused q|k|v or
+    gate|up projection); each part is split across this mesh dim, and a rank holds its
+    piece of every part, in part order (torch's `_StridedShard`).
+
+    Each part must split evenly over the mesh dim, and no other mesh dim may split `dim`.
+    Splitting the parts apart (`split`, `chunk` at part boundaries) needs no communication:
+    each part comes out `Shard(dim)`.
+
+    >>> str(_StridedShard(2, split_factor=3)), _StridedShard(2, split_factor=3) == Shard(2)
+    ('_S(2, 3)', False)
+    """
+
+    __slots__ = ("dim", "split_factor")
+    dim: int
+    split_factor: int
+
+    def __init__(self, dim: int, *, split_factor: int) -> None:
+        for name, v in (("dim", dim), ("split_factor", split_factor)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"_StridedShard({name}=) takes an int, got {v!r} of type {type(v).__name__}")
+        if split_factor < 1:
+            raise ValueError(f"_StridedShard(split_factor={split_factor}) must be at least 1")
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "split_factor", split_factor)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{self!r} is frozen")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _StridedShard and other.dim == self.dim and other.split_factor == self.split_factor
+
+    def __hash__(self) -> int:
+        return hash(("SS", self.dim, self.split_factor))
+
+    def __repr__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+    def __str__(self) -> str:
+        return f"_S({self.dim}, {self.split_factor})"
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_strided_shard, (self.dim, self.split_factor))
+
+
+def _strided_shard(dim: int, split_factor: int) -> _StridedShard:
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 class Replicate(Placement):

@@ -11,6 +11,7 @@ process: parameters to 1e-10 in float64 and 1e-5 in float32. The losses are comp
 
 from __future__ import annotations
 
+import collections
 import copy
 import warnings
 from collections.abc import Callable
@@ -20,8 +21,8 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.parallel import (ColwiseParallel, ExpertParallel, MegatronPlanner, RowwiseParallel, SequenceParallel, data_parallel,
-                                global_mean, parallelize_module, shard_module)
+from shardwise.parallel import (ColwiseParallel, ExpertParallel, FusedColwiseParallel, MegatronPlanner, RowwiseParallel,
+                                SequenceParallel, data_parallel, global_mean, parallelize_module, shard_module)
 from shardwise.testing import distributed
 
 transformers = pytest.importorskip("transformers")  # a test dependency (pyproject's [test] extra)
@@ -40,6 +41,10 @@ ALL_MODELS = {
     **MODELS,
     "gpt2 (fused qkv, Conv1D)": lambda: transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)),
+    # q|k|v and gate|up each one fused Linear, cut into parts by slicing / chunk (pad id 0: the
+    # default 32000 is outside this vocab, in one process too)
+    "phi3 (fused qkv, gate_up)": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **{**SMALL, "num_key_value_heads": 4}, pad_token_id=0)),
     "bert (masked LM)": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         max_position_embeddings=32)),
@@ -181,11 +186,39 @@ def test_megatron_planner_trains_an_unchanged_hf_model_like_one_process(which: s
     assert loss <= loss_tol and param <= param_tol, (which, loss, param)
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "zero3"])
+@pytest.mark.parametrize("which, planner, shard", [
+    ("llama (sdpa, GQA)", "torch-style", False), ("llama (sdpa, GQA)", "torch-style", True),
+    ("phi3 (fused qkv, gate_up)", "megatron", True),  # parts split over tp, ZeRO-3 over dp on the other dim
+], ids=["llama-replicated", "llama-zero3", "phi3-megatron-zero3"])
 @distributed(world_size=4)
-def test_dp_x_tp_trains_an_unchanged_hf_llama_like_one_process(shard: bool) -> None:
-    loss, param = _train("llama (sdpa, GQA)", torch.float64, (2, 2), shard=shard)
+def test_dp_x_tp_trains_an_unchanged_hf_model_like_one_process(which: str, planner: str, shard: bool) -> None:
+    loss, param = _train(which, torch.float64, (2, 2), shard=shard, planner=planner)
     assert loss <= 1e-6 and param <= 1e-10, (loss, param)
+
+
+@pytest.mark.parametrize("which", ["gpt2 (fused qkv, Conv1D)", "phi3 (fused qkv, gate_up)"])
+@distributed(world_size=2)
+def test_a_fused_projection_is_split_part_by_part_so_cutting_it_into_q_k_v_moves_nothing(which: str) -> None:
+    # regression: c_attn / qkv_proj / gate_up_proj were split by columns as a whole, so the
+    # model's split of their output into q|k|v (gate|up) needed an all_to_all per layer, each way
+    torch.manual_seed(0)
+    model = ALL_MODELS[which]().double()
+    model.eval()
+    plan = MegatronPlanner().build_plan(model)
+    fused = sorted(k.rsplit(".", 1)[-1] for k, v in plan.plan.items() if isinstance(v, FusedColwiseParallel))
+    assert fused == (["c_attn"] * 2 if which.startswith("gpt2") else ["gate_up_proj"] * 2 + ["qkv_proj"] * 2), fused
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    shard_module(model, plan, mesh)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    with sw.comm_log() as forward:
+        loss = _loss(model, which, ids)
+    with sw.comm_log() as backward:
+        loss.backward()
+    # forward: the embedding's and each row-parallel layer's all_reduce, and the vocab-parallel
+    # loss's one all_to_all; nothing where the fused outputs are cut
+    assert collections.Counter(r.op for r in forward) == {"all_reduce": 5, "all_to_all": 1}, forward
+    ops = collections.Counter(r.op for r in backward)
+    assert not ops["all_gather"] and ops["all_to_all"] <= 1, backward
 
 
 @distributed(world_size=2)

@@ -29,8 +29,10 @@ from torch import nn
 
 import shardwise as sw
 from shardwise import AbstractMesh, DTensor, Replicate, Shard
+from shardwise._placement import _StridedShard
 from shardwise.parallel import (
     ColwiseParallel,
+    FusedColwiseParallel,
     MegatronPlanner,
     RowwiseParallel,
     ShardingPlanner,
@@ -46,6 +48,7 @@ COL = ColwiseParallel(use_local_output=False)
 ROW = RowwiseParallel(use_local_output=False)
 EMBED = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=False)
 HEAD = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+QKV = FusedColwiseParallel(parts=3, use_local_output=False)
 
 
 # -- plain-module stand-ins for the model families the planner knows ------------------------------
@@ -185,7 +188,7 @@ def test_plan_for_a_llama_like_model() -> None:
 
 def test_plan_for_a_hugging_face_gpt2_like_model() -> None:
     block = lambda i: [  # noqa: E731
-        (f"transformer.h.{i}.attn.c_attn", COL), (f"transformer.h.{i}.attn.c_proj", ROW),
+        (f"transformer.h.{i}.attn.c_attn", QKV), (f"transformer.h.{i}.attn.c_proj", ROW),
         (f"transformer.h.{i}.mlp.c_fc", COL), (f"transformer.h.{i}.mlp.c_proj", ROW),
     ]
     model = GPT2LMHeadModel()
@@ -304,7 +307,7 @@ def test_gpt2_like_model_through_the_planner_matches_single_device() -> None:
     ref = GPT2LMHeadModel()
     model = shard_module(copy.deepcopy(ref), MegatronPlanner(), mesh["tp"])
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert model.transformer.h[0].attn.c_attn.weight.placements == (Shard(1),)
+    assert model.transformer.h[0].attn.c_attn.weight.placements == (_StridedShard(1, split_factor=3),)
     x, y = gpt_batch(0, cfg=GPTConfig(vocab=32))
     want = ref(x, y)
     want.backward()

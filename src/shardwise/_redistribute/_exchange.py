@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .._layout import chunk_range
+from .._placement import Placement, _StridedShard
 
-__all__ = ["Box", "Routes", "box_of", "exchange_bytes", "exchange_routes", "overlap", "MAX_EXCHANGE_RANKS"]
+__all__ = ["Box", "Routes", "box_of", "piece_boxes", "exchange_bytes", "exchange_routes", "overlap", "MAX_EXCHANGE_RANKS"]
 
 Box = tuple[tuple[int, int], ...]  # per tensor dim: (start, length) in global indices
 Orders = tuple[tuple[int, ...], ...]  # per tensor dim: splitting mesh dims, outermost first
@@ -51,6 +52,23 @@ def box_of(global_shape: Sequence[int], mesh_shape: Sequence[int], orders: Order
             start += offset
         out.append((start, length))
     return tuple(out)
+
+
+def piece_boxes(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], orders: Orders,
+    coordinate: Sequence[int],
+) -> list[tuple[Box, Box]]:
+    """The global boxes the rank at `coordinate` holds, each with where it lies in the rank's
+    piece (a box of local indices): one box, the whole piece, unless a `_StridedShard` splits a
+    dim into parts, whose pieces lie side by side in the rank's piece (one box per part)."""
+    box = box_of(global_shape, mesh_shape, orders, coordinate)
+    per_dim: list[list[tuple[tuple[int, int], tuple[int, int]]]] = [[(b, (0, b[1]))] for b in box]
+    for m, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            part = global_shape[p.dim] // p.split_factor
+            start, length = chunk_range(part, mesh_shape[m], coordinate[m])
+            per_dim[p.dim] = [((j * part + start, length), (j * length, length)) for j in range(p.split_factor)]
+    return [(tuple(g for g, _ in combo), tuple(loc for _, loc in combo)) for combo in itertools.product(*per_dim)]
 
 
 def overlap(a: Box, b: Box) -> Optional[Box]:

@@ -34,12 +34,17 @@ __all__ = ["LocalStep", "Instruction", "Program", "build_program", "run_program"
 @dataclass(frozen=True)
 class LocalStep:
     """A step without communication: `chunk` keeps `(start, length)` of `tensor_dim`;
-    `zero` replaces the piece by zeros (a non-first term of a P(sum))."""
+    `zero` replaces the piece by zeros (a non-first term of a P(sum)); `unstride` reorders a
+    whole `tensor_dim` gathered rank after rank (each rank's piece of `parts` equal parts)
+    into part order; `stride` keeps piece `start` of `ways` of every one of `parts` parts
+    (the two ends of a `_StridedShard`)."""
 
     kind: str
     tensor_dim: int = 0
     start: int = 0
     length: int = 0
+    parts: int = 1
+    ways: int = 1
 
 
 Instruction = Union[comm.Collective, LocalStep]
@@ -140,8 +145,20 @@ def run_program(program: Program, local: torch.Tensor) -> torch.Tensor:
     """Apply `program` to `local` (this rank's piece of the source)."""
     for instruction in program:
         if type(instruction) is LocalStep:
-            if instruction.kind == "chunk":
-                local = local.narrow(instruction.tensor_dim, instruction.start, instruction.length).contiguous()
+            kind, d = instruction.kind, instruction.tensor_dim
+            if kind == "chunk":
+                local = local.narrow(d, instruction.start, instruction.length).contiguous()
+            elif kind in ("unstride", "stride"):
+                parts, ways = instruction.parts, instruction.ways
+                shape = list(local.shape)
+                outer = (ways, parts) if kind == "unstride" else (parts, ways)
+                split = local.reshape(shape[:d] + [*outer, shape[d] // (parts * ways)] + shape[d + 1:])
+                if kind == "unstride":  # rank after rank -> part after part
+                    local = split.transpose(d, d + 1).reshape(shape)
+                else:  # this rank's piece of every part
+                    shape[d] //= ways
+                    local = split.select(d + 1, instruction.start).reshape(shape)
+                local = local.contiguous()
             else:
                 local = torch.zeros_like(local)
         else:

@@ -44,6 +44,8 @@ from ._plans import (DecomposedPlan, GeneralPlan, LeanPlan, Location, Plan, Rest
                      misplaced, restride)
 from ._redistribute import Move, move_between
 from ._runtime import RUNTIME
+from ._strided import (Abort, cat_plan, has_strided, in_split_backward, slice_backward_plan, slice_plan, split_plan, translation,
+                       unstrided_plan)
 from ._wrap import DTENSOR_CLASSES as _DTENSORS
 from ._wrap import DTensorBase, Wrapper
 
@@ -57,6 +59,8 @@ _PLANS: dict[tuple[Any, ...], Callable[[tuple[Any, ...], dict[str, Any]], Any]] 
 _SCALARS = (int, float, bool, complex, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _SCALAR_TYPES = frozenset(_SCALARS)
 _LAZY_VIEWS = {torch.ops.aten._conj.default, torch.ops.aten._neg_view.default}
+_CAT = torch.ops.aten.cat.default
+_SLICE_BACKWARD = torch.ops.aten.slice_backward.default
 
 
 def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -98,6 +102,8 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
         ])
     if kwargs:
         key += (tuple((k, _key_part(v, func, modes)) for k, v in kwargs.items()),)
+    if func is _CAT:  # the backward of a split keeps a fused output's parts split (`_strided`)
+        key += (in_split_backward(),)
     run = _PLANS.get(key)
     try:
         if run is None:
@@ -222,17 +228,58 @@ def _move(spec: DTensorSpec, target: Optional[DTensorSpec]) -> Optional[Move]:
 
 
 def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: OpRule) -> Plan:
+    if func is _CAT and in_split_backward():
+        found: Optional[Plan] = cat_plan(func, args, kwargs)
+        if found is not None:
+            return found
+    if func is _SLICE_BACKWARD:
+        found = slice_backward_plan(func, args, kwargs)
+        if found is not None:
+            return found
     if rule.kind is OpKind.DECOMPOSED:
         return DecomposedPlan(decomposition_table[func])
     mesh = _first_mesh(args, kwargs)
-    schema = OpSchema(
+    real = OpSchema(
         func,
         tuple(_schema_arg(a, mesh) for a in args),
         tuple((k, _schema_arg(v, mesh)) for k, v in kwargs.items()) if kwargs else (),
     )
+    specs = real.input_specs()
+    if not has_strided(specs):
+        return _plan_from(func, args, kwargs, rule, real, specs)
+    # a `_StridedShard` input (a fused projection's parts): see `_strided`
+    where = tuple(_locations(args, kwargs))
+    split = split_plan(func, args, kwargs) or slice_plan(func, args, kwargs)
+    if split is not None:
+        return split
+    view = translation(func, rule, where)
+    if view is not None:
+        schema = OpSchema(func, tuple(_translated(a, view.spec) for a in real.args_schema),
+                          tuple((k, _translated(v, view.spec)) for k, v in real.kwargs_schema))
+        try:
+            return _plan_from(func, args, kwargs, rule, schema, specs, view.answer)
+        except Abort:
+            pass
+    return unstrided_plan(func, args, kwargs, where, _written_args(func, args), dispatch)
+
+
+def _translated(a: Any, read: Any) -> Any:
+    if isinstance(a, DTensorSpec):
+        return read(a)
+    if isinstance(a, tuple):
+        return tuple(_translated(x, read) for x in a)
+    return a
+
+
+def _plan_from(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: OpRule, schema: OpSchema,
+               specs: list[DTensorSpec], answer: Any = None) -> Plan:
+    """The plan of one call: `schema` is what propagation sees, `specs` the inputs' real specs,
+    `answer` (if any) turns propagation's answer into the real one."""
     result = propagate(schema, rule)
+    if answer is not None:
+        result = answer(result, specs)
+    mesh = _first_mesh(args, kwargs)
     where = _locations(args, kwargs)
-    specs = schema.input_specs()
     moves = tuple((loc, _move(s, t)) for loc, s, t in zip(where, specs, result.input_specs))
     outputs = result.output_spec
     single = outputs if isinstance(outputs, DTensorSpec) else None

@@ -12,7 +12,8 @@ Gradients whose reduction is one all_reduce over the same group, with the same r
 travel together through the one bucketer (`_comm.all_reduce_coalesced`: buckets of about
 25 MiB per dtype, one all_reduce each, in the order backward produced them, the same on
 every rank). Any other reduction (a reduce_scatter into a Shard leaf, several steps) runs on its
-own. With several backward passes before an optimizer step, each pass reduces its own term,
+own; so does a gradient split part by part for a leaf that is not (`_StridedShard`, the
+backward of a `split`), or the other way round. With several backward passes before an optimizer step, each pass reduces its own term,
 unless the passes run inside `shardwise.parallel.no_sync(model)` (`deferred` here): then
 the terms accumulate unreduced and the first backward after the block reduces their sum.
 """
@@ -26,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from .. import _comm
+from .._placement import _StridedShard
 from ._async import resolve
 from ._redistribute import move_between, redistribute_local
 from ._wrap import DTensorBase, wrap
@@ -61,13 +63,23 @@ def note_accumulated(leaf: torch.Tensor) -> None:
     if not isinstance(grad, DTensorBase) or not isinstance(leaf, DTensorBase):
         return
     have, want = grad._spec, leaf._spec
-    if not have.has_partial() or want.has_partial() or have.mesh != want.mesh or id(leaf) in _DEFERRED:
+    if not _to_relay(have, want) or have.mesh != want.mesh or id(leaf) in _DEFERRED:
         return
     task = torch._C._current_graph_task_id()
     if _QUEUED_FOR[0] != task:  # first leaf of this backward pass (or an earlier pass failed midway)
         torch.autograd.Variable._execution_engine.queue_callback(_reduce_noted)
         _QUEUED_FOR[0] = task
     _NOTED.append(leaf)
+
+
+def _to_relay(have: Any, want: Any) -> bool:
+    """Whether a gradient of layout `have` is moved into its leaf's layout `want`: a Partial
+    one (reduced), or one split part by part where the leaf is not, or the other way round
+    (the backward of a `split` into a fused projection's parts)."""
+    if have.has_partial():
+        return not want.has_partial()
+    return have.placements != want.placements and any(
+        type(p) is _StridedShard for p in have.placements + want.placements)
 
 
 def _reduce_noted() -> None:
@@ -78,7 +90,7 @@ def _reduce_noted() -> None:
     with torch.no_grad():
         for leaf in leaves:
             grad = leaf.grad
-            if not isinstance(grad, DTensorBase) or not grad._spec.has_partial():
+            if not isinstance(grad, DTensorBase) or not _to_relay(grad._spec, leaf._spec):
                 continue  # replaced or reduced since it was noted
             have = grad._spec
             target = have.with_placements(leaf._spec.placements, leaf._spec.shard_order)

@@ -19,7 +19,7 @@ import contextvars
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
@@ -250,7 +250,10 @@ class RestridedPlan:
         return out
 
 
-Plan = Union[LeanPlan, GeneralPlan, DecomposedPlan]
+class Plan(Protocol):
+    """What every plan is: a `run(args, kwargs)` for each call of its cache key."""
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
 def _wrap_replicated(out: Any, mesh: AbstractMesh) -> Any:

@@ -14,7 +14,8 @@ import torch
 
 from .. import _comm as comm
 from .._mesh import DeviceMesh
-from .._redistribute import Program, RedistributePlan, build_program, plan_between, run_program
+from .._redistribute import LocalStep, Program, RedistributePlan, build_program, plan_between, run_program
+from .._redistribute._specs import StridedStep, plan_parts
 from .._spec import DTensorSpec
 
 __all__ = ["Move", "move_between", "redistribute_local", "start_redistribute"]
@@ -51,11 +52,14 @@ def move_between(src: DTensorSpec, dst: DTensorSpec) -> Move:
             raise TypeError(f"moving a piece needs a DTensor on a DeviceMesh, got a spec on {mesh!r}")
         plan = plan_between(src, dst)
         coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            program: Program = ()
-        else:
-            groups = mesh.get_all_groups()
-            program = build_program(plan, src.dtype, src.shard_order, groups, tuple(coordinate), mesh.get_mesh_group())
+        program: Program = ()
+        if coordinate is not None:
+            groups, whole = mesh.get_all_groups(), mesh.get_mesh_group()
+            for part in plan_parts(src, dst) if plan.steps or src != dst else ():
+                if isinstance(part, StridedStep):
+                    program += (LocalStep(part.kind, part.tensor_dim, coordinate[part.mesh_dim], 0, part.parts, part.ways),)
+                else:
+                    program += build_program(part[0], src.dtype, part[1].shard_order, groups, tuple(coordinate), whole)
         found = _MOVES[key] = Move(src, dst, plan, program)
     return found
 

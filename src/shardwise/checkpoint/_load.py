@@ -1,7 +1,8 @@
 """`load`: each rank reads, from the files, the saved pieces that overlap what it holds.
 
 A saved tensor is a set of boxes of global indices that tile it; a target DTensor's local
-piece is one box too (`box_of` its layout and the rank's coordinate). So each rank copies
+piece is one box too (`piece_boxes` of its layout and the rank's coordinate; one box per part
+of a `_StridedShard`, a fused projection's parts side by side). So each rank copies
 the overlap of every saved box with its own into its local tensor, reading only the files
 that have such a box, and maps them (`mmap=True`) rather than reading them whole. No rank
 talks to another: the ranks that saved and the ranks that load, their number, their meshes
@@ -22,7 +23,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .._placement import Partial
-from .._redistribute._exchange import Box, box_of, overlap
+from .._redistribute._exchange import Box, overlap, piece_boxes
 from .._tensor import DTensor
 from ._files import checkpoint_dir, read_data
 from ._metadata import Entry, Piece, read_metadata
@@ -188,7 +189,8 @@ def _loaded(leaf: Any, entry: Optional[Entry], reader: _Reader) -> Any:
             return leaf
         found = spec.split_orders()
         orders = tuple(found.get(d, ()) for d in range(spec.ndim))
-        _copy_into(local, box_of(spec.shape, mesh.shape, orders, coordinate), entry, reader)
+        for box, at in piece_boxes(spec.shape, mesh.shape, spec.placements, orders, coordinate):
+            _copy_into(_region(local, at, tuple((0, s) for s in local.shape)), box, entry, reader)
         return leaf
     if isinstance(leaf, torch.Tensor):
         _copy_into(leaf, tuple((0, s) for s in leaf.shape), entry, reader)

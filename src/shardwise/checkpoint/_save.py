@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from .._comm import all_gather_ints
-from .._placement import Replicate
-from .._redistribute._exchange import Box, box_of
+from .._placement import Replicate, _StridedShard
+from .._redistribute._exchange import Box, piece_boxes
 from .._tensor import DTensor
 from ._files import checkpoint_dir, read_data, write_atomically
 from ._metadata import METADATA, Entry, Piece, data_file, dtype_name, write_metadata
@@ -80,7 +80,7 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
         items = list(leaves(tree))
         _check_values(items)
         claims = [_fingerprint(path, box) for path, leaf in items
-                  if isinstance(leaf, DTensor) and leaf.device_mesh.size() < world and (box := _my_box(leaf))]
+                  if isinstance(leaf, DTensor) and leaf.device_mesh.size() < world for box, _ in _my_boxes(leaf)]
         directory.mkdir(parents=True, exist_ok=True)
     except Exception as exc:
         error = exc
@@ -211,21 +211,29 @@ def _volume(box: Box) -> int:
     return n
 
 
-def _my_box(leaf: DTensor) -> Optional[Box]:
-    """The box of `leaf` this rank writes, if any: its piece when nonempty and its coordinate
-    is 0 on every mesh dim that does not split the tensor (one replica; a Partial mesh dim
-    counts as replicating, since it is reduced first)."""
+def _my_boxes(leaf: DTensor) -> list[tuple[Box, Box]]:
+    """The boxes of `leaf` this rank writes (global box, where it lies in the piece): its
+    piece when nonempty (one box per part of a `_StridedShard`) and its coordinate is 0 on
+    every mesh dim that does not split the tensor (one replica; a Partial mesh dim counts as
+    replicating, since it is reduced first)."""
     spec, mesh = leaf._spec, leaf.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        return None
+        return []
     found = spec.split_orders()
     orders = tuple(found.get(d, ()) for d in range(spec.ndim))
-    splitting = {m for ms in orders for m in ms}
+    splitting = {m for ms in orders for m in ms} | {m for m, p in enumerate(spec.placements) if isinstance(p, _StridedShard)}
     if any(c for m, c in enumerate(coordinate) if m not in splitting):
-        return None
-    box = box_of(spec.shape, mesh.shape, orders, coordinate)
-    return box if _volume(box) else None
+        return []
+    return [(box, at) for box, at in piece_boxes(spec.shape, mesh.shape, spec.placements, orders, coordinate) if _volume(box)]
+
+
+def _narrowed(t: torch.Tensor, at: Box) -> torch.Tensor:
+    if all(start == 0 and length == size for (start, length), size in zip(at, t.shape)):
+        return t
+    for d, (start, length) in enumerate(at):
+        t = t.narrow(d, start, length)
+    return t
 
 
 def _pieces(items: list[tuple[Path, Any]], rank: int, name: str, taken: set[int]) -> tuple[list[Entry], list[Any]]:
@@ -241,10 +249,10 @@ def _pieces(items: list[tuple[Path, Any]], rank: int, name: str, taken: set[int]
     for path, leaf in items:
         if isinstance(leaf, DTensor):
             spec = leaf._spec
-            box = _my_box(leaf)
             pieces: tuple[Piece, ...] = ()
-            if box is not None and not (taken and _fingerprint(path, box) in taken):
-                pieces = piece(_standalone(leaf.to_local()), box)
+            for box, at in _my_boxes(leaf):
+                if not (taken and _fingerprint(path, box) in taken):
+                    pieces += piece(_standalone(_narrowed(leaf.to_local(), at)), box)
             layout = f"{spec.layout_str()} on mesh {leaf.device_mesh.shape}"
             entries.append(Entry(path, "tensor", tuple(spec.shape), dtype_name(spec.dtype), layout, pieces))
         elif isinstance(leaf, torch.Tensor):

@@ -16,7 +16,7 @@ from torch import nn
 
 from .._layout import format_placements
 from .._mesh import AbstractMesh
-from .._placement import Placement, Shard
+from .._placement import Placement, Shard, _StridedShard
 from ._plan import ShardingPlan, resolve
 
 __all__ = ["Coverage", "coverage"]
@@ -34,7 +34,7 @@ class CoverageRow:
 
     @property
     def sharded(self) -> bool:
-        return self.placements is not None and any(isinstance(p, Shard) for p in self.placements)
+        return self.placements is not None and any(isinstance(p, (Shard, _StridedShard)) for p in self.placements)
 
 
 @dataclass(frozen=True)

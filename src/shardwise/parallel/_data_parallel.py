@@ -45,7 +45,7 @@ from torch import nn
 from .. import _comm as comm
 from .._layout import ShardOrder, contiguous_strides, normalize_shard_order
 from .._mesh import DeviceMesh
-from .._placement import Partial, Placement, Replicate, Shard
+from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._spec import DTensorSpec, TensorMeta
 from .._tensor import DTensor
 from .._tensor._grad_reduce import deferred
@@ -283,7 +283,8 @@ def _store(
         tp_placements = (Replicate(),) * len(rest)
         tp_orders = {}
     # dp shards the first tensor dim that tensor parallel leaves whole, so the gather is one all_gather.
-    free = [t for t in range(p.ndim) if t not in tp_orders]
+    split = set(tp_orders) | {q.dim for q in tp_placements if isinstance(q, _StridedShard)}
+    free = [t for t in range(p.ndim) if t not in split]
     sharded = shard and bool(free)
     gathered_pl = list(tp_placements)
     gathered_pl.insert(d, Replicate())

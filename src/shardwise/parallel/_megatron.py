@@ -1,4 +1,4 @@
-"""`MegatronPlanner`: derive the Megatron tensor-parallel plan of a transformer from its module structure.
+r"""`MegatronPlanner`: derive the Megatron tensor-parallel plan of a transformer from its module structure.
 
 Megatron-LM splits each transformer block into column-parallel layers followed by
 row-parallel ones, so the only communication in a block is one all-reduce after the
@@ -8,7 +8,8 @@ layers by name across the common model families, and by shape where names say no
 
 | role | names (tests/models.py, GPT-2 (HF), Llama, others) | style |
 |---|---|---|
-| q / k / v, fused qkv | q k v, c_attn, q_proj k_proj v_proj, query key value, wq wk wv, qkv | Colwise |
+| q / k / v | q k v, q_proj k_proj v_proj, query key value, wq wk wv | Colwise |
+| fused q\|k\|v (out = 3 x in), gate\|up | c_attn, qkv, qkv_proj, Wqkv; gate_up_proj | FusedColwise (each part split: no gather at the model's split) |
 | attention output | proj, c_proj, o_proj, out_proj, wo, dense | Rowwise |
 | MLP up / gate | up, c_fc, up_proj gate_proj, fc1, w1 w3, fc_in | Colwise |
 | MLP down | down, c_proj, down_proj, fc2, w2, fc_out | Rowwise |
@@ -41,7 +42,7 @@ from .._placement import Replicate, Shard
 from ._coverage import coverage
 from ._experts import ExpertParallel, expert_parameters
 from ._plan import Sharder, ShardingPlan, ShardingPlanner
-from ._style import ColwiseParallel, RowwiseParallel, module_kind
+from ._style import ColwiseParallel, FusedColwiseParallel, RowwiseParallel, module_kind
 
 __all__ = ["MegatronPlanner"]
 
@@ -68,6 +69,22 @@ def _features(module: nn.Module) -> Optional[tuple[int, int]]:
         w = getattr(module, "weight")
         return int(w.shape[0]), int(w.shape[1])
     return None
+
+
+# fused projections the model splits into equal parts after the layer: (name, parts)
+_FUSED = {"c_attn": 3, "qkv": 3, "qkv_proj": 3, "Wqkv": 3, "gate_up_proj": 2}
+
+
+def _fused(name: str, module: nn.Module) -> Optional[FusedColwiseParallel]:
+    """The style of a fused q|k|v (out = 3 x in) or gate|up layer, split part by part."""
+    parts = _FUSED.get(name)
+    features = _features(module)
+    if parts is None or features is None:
+        return None
+    d, out = features
+    if parts == 3 and out != 3 * d:  # grouped-query q|k|v: parts of unequal size, split as a whole
+        return None
+    return FusedColwiseParallel(parts=parts, use_local_output=False)
 
 
 def _expands_then_contracts(first: tuple[int, int], second: tuple[int, int]) -> bool:
@@ -117,7 +134,7 @@ class MegatronPlanner(ShardingPlanner):
             cols = [n for n, _ in linears if n in _COLWISE]
             rows = [n for n, _ in linears if n in _ROWWISE]
             if cols and rows:
-                plan.update({prefix + n: colwise for n in cols})
+                plan.update({prefix + n: _fused(n, c) or colwise for n, c in linears if n in cols})
                 plan.update({prefix + n: rowwise for n in rows})
             elif len(linears) == 2:
                 (n1, c1), (n2, c2) = linears

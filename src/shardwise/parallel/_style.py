@@ -42,7 +42,7 @@ from torch import nn
 
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh, DeviceMesh
-from .._placement import Placement, Replicate, Shard
+from .._placement import Placement, Replicate, Shard, _StridedShard
 from .._tensor import DTensor
 from ._distribute import distribute_module, place_parameter
 from ._plan import FrozenMap, Sharder
@@ -50,6 +50,7 @@ from ._plan import FrozenMap, Sharder
 __all__ = [
     "ParallelStyle",
     "ColwiseParallel",
+    "FusedColwiseParallel",
     "RowwiseParallel",
     "SequenceParallel",
     "PrepareModuleInput",
@@ -228,6 +229,58 @@ class ColwiseParallel(_LinearStyle):
         "conv1d": {"weight": Shard(1), "bias": Shard(0)},
     }
     _NEEDS: ClassVar[Mapping[str, Placement]] = {"linear": Replicate(), "embedding": Replicate(), "conv1d": Replicate()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FusedColwiseParallel(ColwiseParallel):
+    """`ColwiseParallel` for a fused projection whose output features hold `parts` equal
+    projections side by side (GPT-2's `c_attn` = q|k|v, Phi-3's `gate_up_proj` = gate|up):
+    each part is split by columns separately (`_StridedShard(dim, split_factor=parts)`), so a
+    rank holds its piece of every part and the model's own `split` / `chunk` of the output
+    into its parts needs no communication: each part comes out `Shard(-1)`, as if the
+    projections were separate colwise layers. Where a part does not split evenly over the
+    mesh, the layer is split like `ColwiseParallel` (same values; the model's split gathers).
+
+    >>> FusedColwiseParallel(parts=3, use_local_output=False).output_layouts
+    _StridedShard(dim=-1, sf=3)
+    """
+
+    parts: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 2:
+            raise ValueError(f"FusedColwiseParallel(parts={self.parts!r}) needs an int of at least 2: the fused projections' count")
+        if self.output_layouts is None:
+            object.__setattr__(self, "output_layouts", _StridedShard(-1, split_factor=self.parts))
+        super().__post_init__()
+
+    def validate(self, module: nn.Module, device_mesh: AbstractMesh) -> list[str]:
+        problems = super().validate(module, device_mesh)
+        if module_kind(module) == "embedding":
+            problems.append("FusedColwiseParallel splits fused projections (Linear, Conv1D), not an Embedding: use ColwiseParallel")
+        return problems
+
+    def _even(self, module: nn.Module, device_mesh: AbstractMesh) -> bool:
+        kind = module_kind(module)
+        width = int(getattr(module, "weight").shape[0 if kind == "linear" else 1])
+        return width % (self.parts * device_mesh.shape[0]) == 0
+
+    def _plain(self) -> ColwiseParallel:
+        out = self.output_layouts
+        return ColwiseParallel(input_layouts=self.input_layouts,
+                               output_layouts=Shard(out.dim) if isinstance(out, _StridedShard) else out,
+                               use_local_output=self.use_local_output, src_data_rank=self.src_data_rank)
+
+    def param_layouts(self, module: nn.Module, device_mesh: AbstractMesh) -> Mapping[str, tuple[Placement, ...]]:
+        kind = module_kind(module)
+        if kind is None or not self._even(module, device_mesh):
+            return self._plain().param_layouts(module, device_mesh)
+        return {k: (_StridedShard(p.dim, split_factor=self.parts) if isinstance(p, Shard) else p,)
+                for k, p in self._PARAMS[kind].items()}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # parts that do not split evenly: split by columns as a whole (the model's split then gathers)
+        return super()._apply(module, device_mesh) if self._even(module, device_mesh) else self._plain()._apply(module, device_mesh)
 
 
 @dataclass(frozen=True, kw_only=True)
