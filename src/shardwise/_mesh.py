@@ -13,6 +13,7 @@ import atexit
 import contextvars
 import os
 import sys
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -142,6 +143,43 @@ def _group_for(ranks: tuple[int, ...], backend: Optional[str]) -> Any:
     return group
 
 
+# Every mesh built in this process, by its ranks, shape and names: a pickled mesh (inside a
+# `torch.save`d DTensor) is found again here on load, without creating process groups.
+_LIVE: weakref.WeakValueDictionary[tuple[Any, ...], DeviceMesh] = weakref.WeakValueDictionary()
+
+
+def _find_mesh(device_type: str, ranks: list[int], shape: tuple[int, ...], names: Optional[tuple[str, ...]]) -> DeviceMesh:
+    """The mesh a pickled DTensor was saved on, in this process (`DeviceMesh.__reduce__`):
+    a live one with the same ranks, shape and names, else one made from the process groups
+    already created for its slices; never a new process group (that would be collective)."""
+    key = (device_type, tuple(ranks), tuple(shape), names)
+    found = _LIVE.get(key)
+    if found is not None:
+        return found
+    described = f"DeviceMesh({device_type!r}, {torch.tensor(ranks).reshape(shape).tolist()})"
+    if not dist.is_initialized():
+        raise ValueError(
+            f"loading a DTensor saved on {described} needs torch.distributed initialized and that mesh created "
+            f"(init_device_mesh / DeviceMesh) on every rank first; to read a checkpoint in one process use "
+            f"shardwise.checkpoint"
+        )
+    grid = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
+    me = dist.get_rank()
+    groups: list[Any] = []
+    for i in range(len(shape)):
+        chosen = None
+        for row in grid.movedim(i, -1).reshape(-1, shape[i]).tolist():
+            if me in row:
+                chosen = dist.group.WORLD if row == list(range(dist.get_world_size())) else _GROUPS.get((id(dist.group.WORLD), tuple(row)))
+                if chosen is None:
+                    raise ValueError(
+                        f"loading a DTensor saved on {described}: this process has no such mesh; create it on every "
+                        f"rank (init_device_mesh / DeviceMesh with the same ranks) before torch.load"
+                    )
+        groups.append(chosen)
+    return DeviceMesh(device_type, grid, mesh_dim_names=names, _groups=tuple(groups))
+
+
 _CURRENT: contextvars.ContextVar[tuple[DeviceMesh, ...]] = contextvars.ContextVar("shardwise_mesh", default=())
 
 
@@ -192,6 +230,7 @@ class DeviceMesh(AbstractMesh):
         self._groups = _groups
         self._slice_ranks = tuple(self._ranks_along(i) for i in range(self.ndim))
         self._whole = self._whole_group(ranks, create=whole)
+        _LIVE.setdefault(self._key(), self)
 
     def _whole_group(self, ranks: list[int], create: bool) -> Optional[tuple[Any, tuple[int, ...]]]:
         """The group over every rank of a mesh of 2+ dims (for a redistribute's exchange step)
@@ -327,6 +366,10 @@ class DeviceMesh(AbstractMesh):
         # a mesh names process groups, which cannot be copied: `copy.deepcopy(model)` of a
         # sharded model shares it, as it shares the processes
         return self
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its ranks, shape and names; loading finds the live mesh (`_find_mesh`)."""
+        return (_find_mesh, (self.device_type, self._grid.flatten().tolist(), self.shape, self.mesh_dim_names))
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""

@@ -137,6 +137,9 @@ class Replicate(Placement):
     def __str__(self) -> str:
         return "R"
 
+    def __reduce__(self) -> tuple[type[Replicate], tuple[()]]:
+        return (Replicate, ())
+
 
 class Partial(Placement):
     """Each rank holds a term; the global value is their reduction (`sum`, `avg`, `max`, `min`)."""

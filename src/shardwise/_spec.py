@@ -40,6 +40,10 @@ class DTensorSpec:
     def __deepcopy__(self, memo: dict[int, Any]) -> DTensorSpec:
         return self  # immutable, and its mesh holds process groups
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        meta = self.tensor_meta
+        return (_spec_from, (self.mesh, self.placements, tuple(meta.shape), tuple(meta.stride), meta.dtype, self.shard_order))
+
     mesh: AbstractMesh
     placements: tuple[Placement, ...]
     tensor_meta: TensorMeta
@@ -92,6 +96,9 @@ class DTensorSpec:
     def with_placements(self, placements: tuple[Placement, ...], shard_order: ShardOrder = ()) -> DTensorSpec:
         return DTensorSpec(self.mesh, placements, self.tensor_meta, shard_order)
 
+    def with_meta(self, tensor_meta: TensorMeta) -> DTensorSpec:
+        return DTensorSpec(self.mesh, self.placements, tensor_meta, self.shard_order)
+
     def split_orders(self) -> dict[int, tuple[int, ...]]:
         return split_orders(self.placements, self.shard_order)
 
@@ -114,3 +121,8 @@ class DTensorSpec:
     def __repr__(self) -> str:
         return f"DTensorSpec({self.layout_str()}, shape={tuple(self.shape)}, dtype={self.dtype}, mesh={self.mesh!r})"
 
+
+def _spec_from(mesh: AbstractMesh, placements: tuple[Placement, ...], shape: tuple[int, ...], stride: tuple[int, ...],
+               dtype: torch.dtype, shard_order: ShardOrder) -> DTensorSpec:
+    """A pickled spec, rebuilt (`DTensorSpec.__reduce__`)."""
+    return DTensorSpec(mesh, tuple(placements), TensorMeta(torch.Size(shape), tuple(stride), dtype), shard_order)

@@ -19,9 +19,9 @@ from .._layout import (
     normalize_placements,
     normalize_shard_order,
 )
-from .._mesh import DeviceMesh, get_current_mesh
-from .._placement import Partial, Placement, Replicate
-from .._spec import DTensorSpec, TensorMeta
+from .._mesh import DeviceMesh, _find_mesh, get_current_mesh
+from .._placement import Partial, Placement, Replicate, Shard, _strided_shard
+from .._spec import DTensorSpec, TensorMeta, _spec_from
 from . import _random
 from ._autograd import FromLocal
 from ._redistribute import redistribute_local
@@ -169,6 +169,20 @@ def distribute_tensor(
     if local.numel() < full.numel() or local.data_ptr() == tensor.data_ptr():
         local = local.clone()
     return wrap(local, target, tensor.requires_grad)  # type: ignore[no-any-return]
+
+
+def rebuild(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    """A DTensor from its pickled parts (`DTensor.__reduce_ex__`): a leaf, as saved."""
+    out = wrap(local, spec, requires_grad)
+    if requires_grad:
+        out.requires_grad_()  # the leaf's gradient hook (see `DTensor.requires_grad_`)
+    return out  # type: ignore[no-any-return]
+
+
+# `torch.load` (weights only, torch's default) may rebuild DTensors: these are the only callables
+# their pickles name, and each only looks values up or builds frozen records.
+torch.serialization.add_safe_globals(
+    [rebuild, _spec_from, _find_mesh, Shard, Replicate, Partial, _strided_shard])
 
 
 # -- factories ---------------------------------------------------------------------

@@ -40,7 +40,7 @@ from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, Scala
 from .._placement import Replicate
 from .._spec import DTensorSpec, TensorMeta
 from ._plain import check_plain
-from ._plans import (DecomposedPlan, GeneralPlan, LeanPlan, Location, Plan, RestridedPlan, implicit, implicit_replication,
+from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, Location, Plan, RestridedPlan, implicit, implicit_replication,
                      misplaced, restride)
 from ._redistribute import Move, move_between
 from ._runtime import RUNTIME
@@ -238,6 +238,9 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: O
             return found
     if rule.kind is OpKind.DECOMPOSED:
         return DecomposedPlan(decomposition_table[func])
+    by_mesh = _by_mesh(func, args)
+    if by_mesh is not None:
+        return by_mesh
     mesh = _first_mesh(args, kwargs)
     real = OpSchema(
         func,
@@ -261,6 +264,25 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: O
         except Abort:
             pass
     return unstrided_plan(func, args, kwargs, where, _written_args(func, args), dispatch)
+
+
+def _by_mesh(func: Any, args: tuple[Any, ...]) -> Optional[ByMeshPlan]:
+    """For a `_foreach_*` / `_fused_*` call whose list elements sit on more than one mesh, the
+    plan that runs it once per mesh; None for any other call."""
+    name = func._schema.name
+    if not (name.startswith("aten::_foreach_") or name.startswith("aten::_fused_")):
+        return None
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    if not lists:
+        return None
+    n = len(lists[0])
+    groups: dict[Any, list[int]] = {}
+    for k in range(n):
+        mesh = next((a[k]._spec.mesh for a in lists if len(a) == n and isinstance(a[k], DTensorBase)), None)
+        groups.setdefault(mesh, []).append(k)
+    if len(groups) < 2:
+        return None
+    return ByMeshPlan(dispatch, func, tuple(tuple(g) for g in groups.values()), n)
 
 
 def _translated(a: Any, read: Any) -> Any:

@@ -55,6 +55,28 @@ class DTensor(DTensorBase, role="plain"):
     # every aten op on a DTensor: `_dispatch.torch_dispatch` (bound directly: no call in between)
     __torch_dispatch__ = classmethod(torch_dispatch)  # type: ignore[assignment,var-annotated]
 
+    # -- the wrapper-subclass protocol ----------------------------------------------------
+    # With these two, torch treats a DTensor as a wrapper of one inner tensor: `module.to(dtype)`,
+    # `module.to_empty()` and `module.double()` swap whole parameters (`torch.utils.swap_tensors`)
+    # instead of setting `param.data`, which would change the wrapper's dtype and leave the piece.
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
+        return ["_local_tensor"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], context: tuple[DTensorSpec, bool],
+                             outer_size: Any, outer_stride: Any) -> DTensor:
+        spec, requires_grad = context
+        local = inner["_local_tensor"]
+        meta = spec.tensor_meta
+        if local.dtype != meta.dtype or tuple(outer_size) != tuple(meta.shape) or tuple(outer_stride) != tuple(meta.stride):
+            spec = spec.with_meta(TensorMeta(torch.Size(outer_size), tuple(outer_stride), local.dtype))
+        return wrap(local, spec, requires_grad)  # type: ignore[no-any-return]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as its piece and its layout (`torch.save(dtensor)`, a state dict of them);
+        the mesh is found again by its ranks on load (see `DeviceMesh.__reduce__`)."""
+        return (_api.rebuild, (self._local_tensor, self._spec, self.requires_grad))
+
     def __repr__(self) -> str:  # type: ignore[override]
         return (
             f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh!r}, "

@@ -35,7 +35,7 @@ from ._wrap import DTENSOR_CLASSES, DTensorBase, Wrapper, rewrap, wrap
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _piece_of = operator.attrgetter("_local_tensor")  # in C: no Python frame per argument list
 
-__all__ = ["DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "Plan", "RestridedPlan", "implicit", "implicit_replication",
+__all__ = ["ByMeshPlan", "DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "Plan", "RestridedPlan", "implicit", "implicit_replication",
            "misplaced", "restride"]
 
 # Where a DTensor input sits: (positional index or keyword name, index in a list or None).
@@ -272,3 +272,31 @@ def _wrap_outputs(out: Any, spec: Any) -> Any:
     if isinstance(spec, tuple):
         return tuple(_wrap_outputs(o, s) for o, s in zip(out, spec))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class ByMeshPlan:
+    """A `_foreach_*` / `_fused_*` call whose list elements live on different meshes (a
+    gradient-norm clip over a pipeline stage's TP and DP parameters): element k touches only the
+    k-th tensor of each list, so the call runs once per mesh, on that mesh's elements, and the
+    results go back in the caller's order."""
+
+    dispatch: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+    func: Any
+    groups: tuple[tuple[int, ...], ...]  # element indices per mesh, in first-seen order
+    length: int  # elements per list
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        results: list[Any] = [None] * self.length
+        returned = False
+        for indices in self.groups:
+            def take(a: Any) -> Any:
+                if isinstance(a, (list, tuple)) and len(a) == self.length:
+                    return [a[k] for k in indices]
+                return a
+            out = self.dispatch(self.func, tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()})
+            if isinstance(out, (list, tuple)) and len(out) == len(indices):
+                returned = True
+                for k, o in zip(indices, out):
+                    results[k] = o
+        return results if returned else None
