@@ -37,6 +37,7 @@ __all__ = [
     "ShardOrder",
     "ShardOrderLike",
     "chunk_range",
+    "dense_strides_like",
     "normalize_placements",
     "normalize_shard_order",
     "split_orders",
@@ -234,4 +235,21 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(strides))
+
+
+def dense_strides_like(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides for `shape` in the memory order `stride` describes (innermost: the
+    smallest stride; ties: the later dim). A piece's strides give its global tensor's:
+
+    >>> dense_strides_like((32, 4), (1, 8))  # a transposed (8, 4) piece, 4 of them stacked
+    (1, 32)
+    >>> dense_strides_like((8, 3), (3, 1))
+    (3, 1)
+    """
+    dense = [0] * len(shape)
+    step = 1
+    for d in sorted(range(len(shape)), key=lambda d: (stride[d], -d)):
+        dense[d] = step
+        step *= max(shape[d], 1)
+    return tuple(dense)
 

@@ -232,7 +232,7 @@ def test_value_like_factories_follow_the_input_layout(mesh_shape: tuple[int, ...
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
-def test_like_factories_need_no_communication_and_keep_partial_only_for_zeros(mesh_shape: tuple[int, ...]) -> None:
+def test_like_factories_need_no_communication_and_keep_partial_only_where_nothing_is_written(mesh_shape: tuple[int, ...]) -> None:
     x = seeded(5, 3)
     mesh = AbstractMesh(mesh_shape)
     for combo in default_layouts([x], len(mesh_shape)):
@@ -240,10 +240,10 @@ def test_like_factories_need_no_communication_and_keep_partial_only_for_zeros(me
         spec = _spec(mesh, x, lay)
         no_partial = tuple(R if isinstance(p, Partial) else p for p in lay.placements)
         for op, args, keeps in [
-            (aten.zeros_like.default, (), True), (aten.ones_like.default, (), False), (aten.empty_like.default, (), False),
+            (aten.zeros_like.default, (), False), (aten.ones_like.default, (), False), (aten.empty_like.default, (), True),
             (aten.full_like.default, (1.0,), False), (aten.rand_like.default, (), False), (aten.randn_like.default, (), False),
-            (aten.randint_like.default, (7,), False), (aten.bernoulli.p, (0.3,), False), (aten.new_zeros.default, ((5, 3),), True),
-            (aten.new_empty.default, ((5, 3),), False), (aten.new_ones.default, ((5, 3),), False),
+            (aten.randint_like.default, (7,), False), (aten.bernoulli.p, (0.3,), False), (aten.new_zeros.default, ((5, 3),), False),
+            (aten.new_empty.default, ((5, 3),), True), (aten.new_ones.default, ((5, 3),), False),
         ]:
             out = propagate(OpSchema(op, (spec,) + args))
             assert out.input_specs == (None,), f"{op} moved its input"
@@ -265,7 +265,11 @@ def test_new_factories_shard_like_self_for_its_shape_and_replicate_other_shapes(
     same = propagate(OpSchema(aten.new_empty.default, (spec, tuple(shape))))
     assert same.output_spec.placements == (S0,) * len(mesh_shape) and same.shape_arg == 1  # type: ignore[union-attr]
     strided = propagate(OpSchema(aten.new_empty_strided.default, (spec, tuple(shape), contiguous_strides(shape))))
-    assert strided.output_spec.placements == (R,) * len(mesh_shape) and strided.input_specs == (None,)  # type: ignore[union-attr]
+    # each rank allocates only its piece, as for new_empty
+    assert strided.output_spec.placements == (S0,) * len(mesh_shape) and strided.input_specs == (None,)  # type: ignore[union-attr]
+    assert strided.shape_arg == 1  # type: ignore[union-attr]
+    other = propagate(OpSchema(aten.new_empty_strided.default, (spec, (2, 7), (7, 1))))
+    assert other.output_spec.placements == (R,) * len(mesh_shape)  # type: ignore[union-attr]
 
 
 # -- fills and random ops: local impls on every simulated rank --------------------------------

@@ -7,13 +7,16 @@ takes the input's layout and each rank makes only its piece. What changes is Par
 
 | op | input Partial on a mesh dim becomes |
 |---|---|
-| `zeros_like`, `new_zeros` (same shape), `zero_` | kept (every term zero) |
-| other `*_like`, `new_*`, `bernoulli.p`, `fill` | Replicate (the value itself, on every rank) |
+| `empty_like`, `new_empty` / `new_empty_strided` (same shape) | kept (no value to disagree with; as torch, so `module.to_empty()` keeps a Partial buffer) |
+| `zero_` | kept (every term zero) |
+| other `*_like`, `new_*`, `bernoulli.p`, `fill` | Replicate (the value itself, on every rank; as torch) |
 | in-place fills: `fill_`, `uniform_`, `normal_`, ... | kept: the local impl writes the value on the first rank of each P(sum) group, zeros elsewhere |
 | `bernoulli`, `bernoulli_(p tensor)` | probabilities reduced first |
 | `native_dropout` | output kept Partial (x * mask / (1-p) is linear in x), mask Replicate |
 
 `new_*` with a size other than the input's shape has no layout to follow: it is Replicate.
+With the same shape each rank allocates only its piece (`new_empty_strided` too: its strides
+describe the global tensor, and the piece gets dense strides in the same memory order).
 Random values come from the placement-invariant generator: the local implementations in
 `_random` (each registration below names them), so the layout chosen here never changes them.
 """
@@ -24,7 +27,9 @@ from typing import Optional
 
 import torch
 
+from .._layout import dense_strides_like
 from .._placement import Partial, Placement, Replicate, Shard
+from ._local import LocalCall
 from .._spec import DTensorSpec
 from ._pointwise import pointwise_strategy
 from ._random import RANDOM_LOCAL
@@ -37,15 +42,15 @@ __all__ = ["LIKE_OPS", "NEW_OPS", "INPLACE_FILL_OPS", "RANDOM_OPS"]
 aten = torch.ops.aten
 _RANDOM_FROM = getattr(aten.random_, "from")  # `from` is a Python keyword
 
-# Output follows the input; Partial kept where every term of the result is zero.
-_ZERO_LIKE = [aten.zeros_like.default]
+# Output follows the input, Partial included (nothing is written).
+_EMPTY_LIKE = [aten.empty_like.default]
 _VALUE_LIKE = [
-    aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
     aten.rand_like.default, aten.randn_like.default,
     aten.randint_like.default, aten.randint_like.low_dtype,
     aten.bernoulli.p, aten.fill.Scalar, aten.fill.Tensor,
 ]
-LIKE_OPS = _ZERO_LIKE + _VALUE_LIKE
+LIKE_OPS = _EMPTY_LIKE + _VALUE_LIKE
 NEW_OPS = [aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default]
 # Overwrite self whatever its layout; a 0-dim DTensor fill value must be replicated.
 INPLACE_FILL_OPS = [
@@ -74,8 +79,8 @@ def _others_replicated(schema: OpSchema, first: Optional[Layout]) -> tuple[Optio
     return (first,) + (replicate(schema.mesh.ndim),) * (n - 1)
 
 
-@register_op_strategy(_ZERO_LIKE)
-def zero_like_strategy(schema: OpSchema) -> OpStrategy:
+@register_op_strategy(_EMPTY_LIKE)
+def empty_like_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     return OpStrategy([PlacementStrategy(current(spec), _others_replicated(schema, None))])
 
@@ -94,14 +99,25 @@ def new_factory_strategy(schema: OpSchema) -> OpStrategy:
     size = tuple(schema.arg(1, "size", ()))
     if size != tuple(spec.shape):
         return OpStrategy([PlacementStrategy(replicate(spec.mesh.ndim), (None,))])
-    out = current(spec) if schema.op is aten.new_zeros.default else _without_partial(spec)
+    out = current(spec) if schema.op is aten.new_empty.default else _without_partial(spec)
     return OpStrategy([PlacementStrategy(out, (None,), shape_arg=1)])
 
 
-@register_op_strategy(aten.new_empty_strided.default)
+def _new_empty_strided_local(call: LocalCall) -> torch.Tensor:
+    """The piece of a `new_empty_strided`: the local shape (already rewritten), dense strides
+    in the memory order the global strides give."""
+    args = list(call.args)
+    args[2] = dense_strides_like(args[1], args[2])
+    return call.func(*args, **call.kwargs)  # type: ignore[no-any-return]
+
+
+@register_op_strategy(aten.new_empty_strided.default, local=_new_empty_strided_local)
 def new_empty_strided_strategy(schema: OpSchema) -> OpStrategy:
-    """Replicate: the strides argument describes a global tensor and cannot be localized."""
-    return OpStrategy([PlacementStrategy(replicate(schema.mesh.ndim), (None,))])
+    """Same shape as self: self's layout, each rank allocating its piece; else Replicate."""
+    spec = input_spec(schema)
+    if tuple(schema.arg(1, "size", ())) != tuple(spec.shape):
+        return OpStrategy([PlacementStrategy(replicate(spec.mesh.ndim), (None,))])
+    return OpStrategy([PlacementStrategy(current(spec), (None,), shape_arg=1)])
 
 
 @register_op_strategy(INPLACE_FILL_OPS, local=RANDOM_LOCAL)

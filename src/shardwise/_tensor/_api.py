@@ -7,12 +7,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union, cast
 
 import torch
+import torch.distributed as dist
 
 from .. import _comm as comm
 from .. import _rng
 from .._layout import (
     ShardOrderLike,
     contiguous_strides,
+    dense_strides_like,
     format_placements,
     global_shape_from_local,
     local_shape_and_offset,
@@ -45,18 +47,61 @@ def _resolve(device_mesh: Optional[DeviceMesh], placements: Optional[Sequence[Pl
 _MAX_DIMS = 16
 
 
+_FIELDS = ("ndim", "dtype", "requires_grad", "placements", "stride", "device")
+
+
+def _crc(value: Any) -> int:
+    return zlib.crc32(repr(value).encode())
+
+
+def _memory_order(local: torch.Tensor) -> Any:
+    """The order of `local`'s dims in memory, outermost first; None when a dim of size 1 or 0
+    makes it ambiguous (such a piece agrees with any order)."""
+    if any(s < 2 for s in local.shape):
+        return None
+    return tuple(sorted(range(local.ndim), key=lambda d: (-local.stride(d), d)))
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 def _checked_global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], order: Any) -> tuple[int, ...]:
-    """Gather every rank's local shape; infer the global shape and check the pieces fit it."""
+    """Gather every rank's metadata; check the ranks agree on it (each disagreeing field named
+    with every rank's value); infer the global shape and check the pieces fit it."""
     if local.ndim > _MAX_DIMS:
         raise ValueError(f"from_local(run_check=True) supports up to {_MAX_DIMS} dims, got {local.ndim}")
-    mine = [local.ndim, zlib.crc32(str(local.dtype).encode())] + list(local.shape) + [-1] * (_MAX_DIMS - local.ndim)
+    memory = _memory_order(local)
+    fields = {
+        "ndim": local.ndim, "dtype": local.dtype, "requires_grad": local.requires_grad,
+        "placements": (format_placements(placements), order), "stride": memory, "device": local.device.type,
+    }
+    mine = [local.ndim] + [_crc(fields[f]) if f != "stride" or memory is not None else -1 for f in _FIELDS[1:]]
+    mine += list(local.shape) + [-1] * (_MAX_DIMS - local.ndim)
     rows = comm.gather_over_mesh(mine, mesh.get_all_groups(), mesh.shape)
     coords = [tuple(c) for c in torch.cartesian_prod(*[torch.arange(s) for s in mesh.shape]).view(-1, mesh.ndim).tolist()]
-    shapes = {c: tuple(r[2 : 2 + r[0]]) for c, r in zip(coords, rows)}
     ranks = mesh.mesh.flatten().tolist()
+    problems = []
+    for i, name in enumerate(_FIELDS):
+        groups: dict[int, list[int]] = {}
+        for r, row in zip(ranks, rows):
+            if not (name == "stride" and row[i] == -1):  # a piece with a dim of size < 2 fits any order
+                groups.setdefault(row[i], []).append(r)
+        if len(groups) > 1:
+            most = max(groups.values(), key=len)
+            odd = sorted(r for g in groups.values() if g is not most for r in g)
+            problems.append(
+                f"{name}: {_ranks(odd)} differ{'s' if len(odd) == 1 else ''} from {_ranks(most)} "
+                f"(rank {dist.get_rank()} has {fields[name]})"
+            )
+    if problems:
+        raise ValueError(
+            "from_local(run_check=True): ranks disagree on the local tensor's metadata, which every rank of a DTensor "
+            "must share (pass the same placements and pieces of one dtype, layout and requires_grad):\n- "
+            + "\n- ".join(problems)
+        )
+    shapes = {c: tuple(r[len(_FIELDS) : len(_FIELDS) + r[0]]) for c, r in zip(coords, rows)}
     listing = "; ".join(f"rank {r}: {tuple(s)}" for r, s in zip(ranks, shapes.values()))
-    if len({(r[0], r[1]) for r in rows}) != 1:
-        raise ValueError(f"from_local: ranks disagree on the local tensor's rank or dtype (local shapes {listing})")
     origin = (0,) * mesh.ndim
     gshape = list(shapes[origin])
     for d in range(local.ndim):
@@ -111,10 +156,12 @@ def from_local(
         gshape, gstride = tuple(shape), tuple(stride)  # type: ignore[arg-type]
     elif run_check:
         gshape = _checked_global_shape(local_tensor, mesh, pl, order)
-        gstride = contiguous_strides(gshape)
+        gstride = dense_strides_like(gshape, local_tensor.stride())
     else:
+        # the global tensor is laid out in memory as the piece is (a transposed piece, a
+        # transposed whole): torch's rule of scaling the local strides, for dense pieces
         gshape = global_shape_from_local(local_tensor.shape, mesh.shape, pl)
-        gstride = contiguous_strides(gshape)
+        gstride = dense_strides_like(gshape, local_tensor.stride())
     if run_check:
         for i, p in enumerate(pl):
             if isinstance(p, Replicate) and mesh.shape[i] > 1:
@@ -168,15 +215,15 @@ def distribute_tensor(
     local = redistribute_local(full, replicated, target)
     if local.numel() < full.numel() or local.data_ptr() == tensor.data_ptr():
         local = local.clone()
-    return wrap(local, target, tensor.requires_grad)  # type: ignore[no-any-return]
+    return rebuild(local, target, tensor.requires_grad)
 
 
 def rebuild(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
-    """A DTensor from its pickled parts (`DTensor.__reduce_ex__`): a leaf, as saved."""
-    out = wrap(local, spec, requires_grad)
-    if requires_grad:
-        out.requires_grad_()  # the leaf's gradient hook (see `DTensor.requires_grad_`)
-    return out  # type: ignore[no-any-return]
+    """A leaf DTensor of this piece and layout (made by `distribute_tensor`, the factories, and
+    `torch.load` of a pickled one: `DTensor.__reduce_ex__`). One that requires grad gets its
+    gradient in its own layout, as `requires_grad_()` arranges."""
+    out = wrap(local, spec)
+    return out.requires_grad_() if requires_grad else out  # type: ignore[no-any-return]
 
 
 # `torch.load` (weights only, torch's default) may rebuild DTensors: these are the only callables
@@ -212,8 +259,7 @@ def _factory(
     local = make(local_shape, offset, meta, mesh)
     if zero_partials and any(isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[i] != 0 for i, p in enumerate(pl)):
         local = torch.zeros_like(local)
-    local.requires_grad_(requires_grad)
-    return wrap(local, spec, requires_grad)  # type: ignore[no-any-return]
+    return rebuild(local, spec, requires_grad)
 
 
 _SizeArg = Union[int, Sequence[int]]

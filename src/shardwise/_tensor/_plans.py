@@ -23,6 +23,7 @@ from typing import Any, Optional, Protocol, Union
 
 import torch
 
+from .._layout import dense_strides_like
 from .._mesh import AbstractMesh
 from .._ops import LocalCall, LocalFn
 from .._placement import Replicate
@@ -201,16 +202,6 @@ def _order(shape: Any, stride: Any) -> tuple[int, ...]:
     return tuple(sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: (-stride[d], d)))
 
 
-def _dense_strides(shape: Any, stride: Any) -> list[int]:
-    """Dense strides for `shape` laid out in the memory order `stride` describes."""
-    dense = [0] * len(shape)
-    step = 1
-    for d in sorted(range(len(shape)), key=lambda d: (stride[d], -d)):
-        dense[d] = step
-        step *= max(shape[d], 1)
-    return dense
-
-
 def misplaced(out: Any) -> tuple[bool, ...]:
     """Per output: whether a DTensor's piece is laid out in another memory order than its
     spec's (global) strides say, e.g. a kernel that got contiguous moved pieces where the
@@ -227,7 +218,7 @@ def restride(o: DTensorBase) -> None:
     """Copy `o`'s piece into the memory order of its spec's strides (so `.contiguous()`, views
     and `is_contiguous()` answer for the piece what they answer for the global tensor)."""
     local = o._local_tensor
-    laid = torch.empty_strided(local.shape, _dense_strides(local.shape, o._spec.tensor_meta.stride), dtype=local.dtype,
+    laid = torch.empty_strided(local.shape, dense_strides_like(local.shape, o._spec.tensor_meta.stride), dtype=local.dtype,
                                device=local.device, requires_grad=False)
     laid.copy_(local)
     o._local_tensor = laid
