@@ -17,7 +17,7 @@ from typing import Any, Final, Literal
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "ReduceOp", "REDUCE_OPS", "_StridedShard"]
 
 ReduceOp = Literal["sum", "avg", "max", "min"]
-REDUCE_OPS: Final = ("sum", "avg", "max", "min")
+REDUCE_OPS: Final = ("sum", "avg", "max", "min", "prod")
 
 
 class Placement:
@@ -142,7 +142,7 @@ class Replicate(Placement):
 
 
 class Partial(Placement):
-    """Each rank holds a term; the global value is their reduction (`sum`, `avg`, `max`, `min`)."""
+    """Each rank holds a term; the global value is their reduction (`sum`, `avg`, `max`, `min`, `prod`)."""
 
     __slots__ = ("reduce_op",)
     reduce_op: ReduceOp

@@ -19,6 +19,7 @@ positions) stay whole, the rest keep their shards, split alike on every input.
 | _prelu_kernel (+ backward) | broadcast-free dims, inputs alike | none (backward: none) |
 | trace | none | sum/avg (linear) |
 | renorm | `dim` (each slice is normalized by its own norm) | none |
+| is_same_size | every layout (global shapes compared; a plain tensor beside it is fine) | any |
 
 narrow_copy and split_with_sizes_copy never keep a Shard on their dim, even when they
 take it whole: unlike `slice`, whose bounds clamp, they would ask a smaller local piece
@@ -39,9 +40,10 @@ from ._norm import _softmax_strategy
 from ._pointwise import pointwise_strategy
 from ._registry import register_op_strategy
 from .._spec import TensorMeta
-from ._schema import OpSchema, OpStrategy, StrategyType
+from ._local import LocalCall
+from ._schema import OpSchema, OpStrategy, PlacementStrategy, StrategyType
 from ._shape import unbind_strategy, unfold_strategy
-from ._utils import normalize_dim
+from ._utils import current, normalize_dim
 from ._view import input_spec, out_meta, single_input_strategy
 from ._view import permute_strategy, squeeze_strategy, transpose_strategy, unsqueeze_strategy, view_strategy
 
@@ -263,3 +265,16 @@ def _renorm_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     dim = normalize_dim(schema.arg(2, "dim"), spec.ndim)
     return _batch_only(schema, [dim], ())
+
+
+def _same_global_size(call: LocalCall) -> bool:
+    """`is_same_size`: the global shapes compared (a plain tensor's is its own)."""
+    a, b = call.input_specs
+    return tuple(a.shape) == tuple(b.shape)
+
+
+@register_op_strategy(aten.is_same_size.default, local=_same_global_size, plain_as_replicated=True)
+def is_same_size_strategy(schema: OpSchema) -> StrategyType:
+    """Metadata only: nothing moves, and a plain tensor beside a DTensor is fine (its shape is
+    all that is read), as in torch."""
+    return OpStrategy([PlacementStrategy(None, tuple(current(s) for s in schema.input_specs()))])

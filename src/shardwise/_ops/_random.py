@@ -39,7 +39,7 @@ from .._placement import Partial
 from .._spec import DTensorSpec
 from ._local import LocalCall, LocalFn
 
-__all__ = ["RANDOM_LOCAL", "local_normal", "local_uniform", "zero_partial_terms"]
+__all__ = ["RANDOM_LOCAL", "local_normal", "local_uniform", "neutral_term"]
 
 aten = torch.ops.aten
 _RANDOM_FROM = getattr(aten.random_, "from")  # `from` is a Python keyword
@@ -57,12 +57,13 @@ def local_normal(spec: DTensorSpec, coordinate: tuple[int, ...], seed: int) -> t
     return _rng.normal_local(shape, offset, spec.shape, seed, 0, torch.float64)
 
 
-def zero_partial_terms(spec: DTensorSpec, coordinate: tuple[int, ...]) -> bool:
-    """Whether this rank's term of a value written into `spec` must be zero: it is not the
-    first rank along some P(sum) mesh dim."""
-    return any(
-        isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[i] != 0 for i, p in enumerate(spec.placements)
-    )
+def neutral_term(spec: DTensorSpec, coordinate: tuple[int, ...]) -> Optional[int]:
+    """This rank's term of a value written into `spec`, where it is not the value itself: 0 on
+    a rank that is not the first along some P(sum) mesh dim, else 1 on one that is not the first
+    along some P(prod) mesh dim (the terms then reduce to the value in either order); None
+    where the rank holds the value."""
+    later = {p.reduce_op for i, p in enumerate(spec.placements) if isinstance(p, Partial) and coordinate[i] != 0}
+    return 0 if "sum" in later else 1 if "prod" in later else None
 
 
 def _spec(call: LocalCall) -> DTensorSpec:
@@ -80,8 +81,9 @@ def _where(call: LocalCall, spec: DTensorSpec) -> tuple[int, ...]:
 def _write(call: LocalCall, values: torch.Tensor, spec: DTensorSpec, coordinate: tuple[int, ...]) -> torch.Tensor:
     """Overwrite self's piece with `values` (zeros on the non-first ranks of P(sum) dims)."""
     self_local: torch.Tensor = call.args[0]
-    if zero_partial_terms(spec, coordinate):
-        return self_local.zero_()
+    term = neutral_term(spec, coordinate)
+    if term is not None:
+        return self_local.fill_(term)
     return self_local.copy_(values)
 
 
@@ -238,8 +240,9 @@ def _native_dropout(call: LocalCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fill_(call: LocalCall) -> torch.Tensor:
     spec = _spec(call)
-    if zero_partial_terms(spec, _where(call, spec)):
-        return call.args[0].zero_()  # type: ignore[no-any-return]
+    term = neutral_term(spec, _where(call, spec))
+    if term is not None:
+        return call.args[0].fill_(term)  # type: ignore[no-any-return]
     return call.run_op()  # type: ignore[no-any-return]
 
 

@@ -34,7 +34,7 @@ __all__ = ["LocalStep", "Instruction", "Program", "build_program", "run_program"
 @dataclass(frozen=True)
 class LocalStep:
     """A step without communication: `chunk` keeps `(start, length)` of `tensor_dim`;
-    `zero` replaces the piece by zeros (a non-first term of a P(sum)); `unstride` reorders a
+    `zero` / `one` replace the piece by zeros / ones (a non-first term of a P(sum) / P(prod)); `unstride` reorders a
     whole `tensor_dim` gathered rank after rank (each rank's piece of `parts` equal parts)
     into part order; `stride` keeps piece `start` of `ways` of every one of `parts` parts
     (the two ends of a `_StridedShard`)."""
@@ -95,7 +95,9 @@ def _instruction(
         return None if n == 1 else LocalStep("chunk", d, start, length)
     if kind == "partialize":
         assert isinstance(step.dst, Partial)
-        return LocalStep("zero") if step.dst.reduce_op == "sum" and me != 0 else None
+        if me == 0 or step.dst.reduce_op not in ("sum", "prod"):
+            return None
+        return LocalStep("zero" if step.dst.reduce_op == "sum" else "one")
     if n == 1:
         return None  # one rank: its piece is already the whole and its term the total
     common.update(group=groups[i], size=n, mesh_dims=(i,))
@@ -159,6 +161,8 @@ def run_program(program: Program, local: torch.Tensor) -> torch.Tensor:
                     shape[d] //= ways
                     local = split.select(d + 1, instruction.start).reshape(shape)
                 local = local.contiguous()
+            elif kind == "one":
+                local = torch.ones_like(local)
             else:
                 local = torch.zeros_like(local)
         else:

@@ -24,6 +24,7 @@ from .._layout import (
 from .._mesh import DeviceMesh, _find_mesh, get_current_mesh
 from .._placement import Partial, Placement, Replicate, Shard, _strided_shard
 from .._spec import DTensorSpec, TensorMeta, _spec_from
+from .._ops._random import neutral_term
 from . import _random
 from ._autograd import FromLocal
 from ._redistribute import redistribute_local
@@ -257,8 +258,9 @@ def _factory(
     coordinate = tuple(mesh.get_coordinate() or (0,) * mesh.ndim)
     local_shape, offset = spec.local_shape_and_offset(coordinate)
     local = make(local_shape, offset, meta, mesh)
-    if zero_partials and any(isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[i] != 0 for i, p in enumerate(pl)):
-        local = torch.zeros_like(local)
+    term = neutral_term(spec, coordinate) if zero_partials else None
+    if term is not None:
+        local = torch.full_like(local, term)
     return rebuild(local, spec, requires_grad)
 
 

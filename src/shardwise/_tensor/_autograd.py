@@ -31,9 +31,16 @@ def grad_target(spec: DTensorSpec) -> DTensorSpec:
     """Layout a gradient must take to flow back to an input of layout `spec`.
 
     The gradient of every term of a Partial sum is the full gradient, so Partial -> Replicate.
+    A product's term has no gradient the full one gives (it is the others' product times it):
+    ValueError rather than a silently wrong one.
     """
     if not spec.has_partial():
         return spec
+    if any(isinstance(p, Partial) and p.reduce_op == "prod" for p in spec.placements):
+        raise ValueError(
+            f"no gradient flows back into the terms of a {spec.layout_str()} DTensor: a Partial(prod) term's gradient "
+            f"needs the other terms; reduce it (redistribute to Replicate) under torch.no_grad(), or from a detached piece"
+        )
     return spec.with_placements(
         tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements), spec.shard_order
     )
