@@ -8,7 +8,7 @@ single-device gradient, redistributed to the layout the other side expects.
 |---|---|---|
 | `FromLocal` | a local piece becomes a DTensor of `spec` | the gradient in `spec`'s layout (Partial as Replicate); a P(avg) term's is 1/n of it |
 | `ToLocal` | a DTensor's piece as a plain tensor | the plain gradient as a DTensor of `grad_spec` |
-| `Redistribute` | the DTensor in another layout (optionally in the background) | the gradient moved back to the source layout (Partial as Replicate) |
+| `Redistribute` | the DTensor in another layout (optionally in the background, optionally cast first) | the gradient moved back to the source layout (Partial as Replicate), optionally in another dtype, and cast to the source's |
 """
 
 from __future__ import annotations
@@ -54,20 +54,32 @@ def _grad_to(grad: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
 
 class Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: DTensorBase, target: DTensorSpec, async_op: bool = False) -> Any:
-        ctx.src_spec = x._spec
+    def forward(ctx: Any, x: DTensorBase, target: DTensorSpec, async_op: bool = False,
+                backward_dtype: Optional[torch.dtype] = None) -> Any:
+        # `target` may carry another dtype than `x` (`forward_dtype`): the piece is cast first,
+        # so the collectives move the cast bytes
+        ctx.src_spec, ctx.backward_dtype = x._spec, backward_dtype
+        local, spec = x._local_tensor, x._spec
+        if target.dtype != spec.dtype:
+            local = resolve(local).to(target.dtype)
+            spec = spec.with_meta(spec.tensor_meta._replace(dtype=target.dtype))
         if async_op:
-            pending = redistribute_async(x._local_tensor, x._spec, target)
+            pending = redistribute_async(local, spec, target)
             out = wrap(pending, target, x.requires_grad)
             adopt(pending, out)
             return out
-        local = redistribute_local(resolve(x._local_tensor), x._spec, target)
-        return wrap(local, target, x.requires_grad)
+        return wrap(redistribute_local(resolve(local), spec, target), target, x.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:
-        spec = ctx.src_spec
-        return wrap(_grad_to(grad, spec), grad_target(spec)), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
+        spec, cast = ctx.src_spec, ctx.backward_dtype
+        assert isinstance(grad, DTensorBase)
+        local, have = resolve(grad._local_tensor), grad._spec
+        if cast is not None and cast != local.dtype:  # moved back in `backward_dtype`
+            local = local.to(cast)
+            have = have.with_meta(have.tensor_meta._replace(dtype=cast))
+        back = redistribute_local(local, have, grad_target(spec))
+        return wrap(back.to(spec.dtype), grad_target(spec)), None, None, None
 
 
 class ToLocal(torch.autograd.Function):

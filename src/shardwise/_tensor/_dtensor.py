@@ -159,8 +159,14 @@ class DTensor(DTensorBase, role="plain"):
         *,
         async_op: bool = False,
         shard_order: ShardOrderLike = None,
+        forward_dtype: Optional[torch.dtype] = None,
+        backward_dtype: Optional[torch.dtype] = None,
     ) -> DTensor:
         """This tensor in another layout, moved with the fewest bytes (see `explain_redistribute`).
+
+        `forward_dtype`: cast the piece to it before moving (the result has that dtype, and
+        the collectives move its bytes); `backward_dtype`: the gradient travels back in it and
+        is cast to this tensor's dtype on arrival (mixed-precision communication, as torch).
 
         Redistributing to `Partial` is refused (it is the result of ops, not a target), except
         that a mesh dim already `Partial` may stay so.
@@ -187,9 +193,12 @@ class DTensor(DTensorBase, role="plain"):
                 )
         order = normalize_shard_order(target, shard_order, self.ndim)
         target_spec = spec.with_placements(target, order)
-        if target_spec == spec:
+        if forward_dtype is not None and forward_dtype != spec.dtype:
+            target_spec = target_spec.with_meta(spec.tensor_meta._replace(dtype=forward_dtype))
+        if target_spec == spec and backward_dtype is None:
             return self
-        return Redistribute.apply(self, target_spec, async_op and not comm.must_be_synchronous())  # type: ignore[no-untyped-call,no-any-return]
+        return Redistribute.apply(  # type: ignore[no-untyped-call,no-any-return]
+            self, target_spec, async_op and not comm.must_be_synchronous(), backward_dtype)
 
     def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """The whole global tensor on every rank (differentiable)."""
