@@ -33,7 +33,7 @@ from typing import Optional
 from .._layout import chunk_range
 from .._placement import Placement, _StridedShard
 
-__all__ = ["Box", "Routes", "box_of", "piece_boxes", "exchange_bytes", "exchange_routes", "overlap", "MAX_EXCHANGE_RANKS"]
+__all__ = ["Box", "Routes", "box_of", "piece_boxes", "exchange_bytes", "exchange_routes", "overlap", "scatter_routes", "MAX_EXCHANGE_RANKS"]
 
 Box = tuple[tuple[int, int], ...]  # per tensor dim: (start, length) in global indices
 Orders = tuple[tuple[int, ...], ...]  # per tensor dim: splitting mesh dims, outermost first
@@ -152,3 +152,30 @@ def exchange_routes(
     kept = overlap(mine_src, mine_dst)
     keep = None if kept is None else (_relative(kept, mine_src), _relative(kept, mine_dst))
     return Routes(tuple(length for _, length in mine_dst), tuple(sends), tuple(recvs), keep)
+
+
+@functools.lru_cache(maxsize=4096)
+def scatter_routes(
+    mesh_shape: tuple[int, ...], global_shape: tuple[int, ...], dst: Orders, src: tuple[int, ...], coordinate: tuple[int, ...]
+) -> Routes:
+    """What the rank at `coordinate` sends, receives and keeps when the rank at `src` holds the
+    whole tensor and every rank needs its piece of split `dst` (`distribute_tensor`): each rank
+    receives its piece and nothing else, from `src`, in one all_to_all.
+
+    >>> r = scatter_routes((4,), (10, 3), ((0,), ()), (0,), (2,))
+    >>> r.out_shape, r.sends, r.recvs
+    ((2, 3), (), ((0, ((0, 2), (0, 3))),))
+    >>> [peer for peer, _ in scatter_routes((4,), (10, 3), ((0,), ()), (0,), (0,)).sends]
+    [1, 2, 3]
+    """
+    mine = box_of(global_shape, mesh_shape, dst, coordinate)
+    out_shape = tuple(length for _, length in mine)
+    whole = tuple((0, length) for length in out_shape)
+    if tuple(coordinate) != tuple(src):
+        return Routes(out_shape, (), ((_flat(src, mesh_shape), whole),) if _volume(mine) else (), None)
+    sends = []
+    for other in itertools.product(*(range(n) for n in mesh_shape)):
+        box = box_of(global_shape, mesh_shape, dst, other)
+        if other != tuple(src) and _volume(box):
+            sends.append((_flat(other, mesh_shape), box))
+    return Routes(out_shape, tuple(sends), (), (mine, whole))

@@ -25,6 +25,7 @@ from .._mesh import DeviceMesh, _find_mesh, get_current_mesh
 from .._placement import Partial, Placement, Replicate, Shard, _strided_shard
 from .._spec import DTensorSpec, TensorMeta, _spec_from
 from .._ops._random import neutral_term
+from .._redistribute._exchange import scatter_routes
 from . import _random
 from ._autograd import FromLocal
 from ._redistribute import redistribute_local
@@ -183,9 +184,10 @@ def distribute_tensor(
 ) -> DTensor:
     """Split a full tensor over the mesh by `placements` (default: replicate).
 
-    The data of the mesh's `src_data_rank`-th rank (row-major; default its first) is used,
-    broadcast first; with
-    `src_data_rank=None` every rank takes its piece from its own copy, with no communication.
+    The data of the mesh's `src_data_rank`-th rank (row-major; default its first) is used:
+    that rank sends every other rank its piece, in one all_to_all (each rank receives its
+    piece only, as a scatter would); with `src_data_rank=None` every rank takes its piece
+    from its own copy, with no communication.
     The result is a leaf with the input's `requires_grad`.
     """
     mesh, placements = _resolve(device_mesh, placements)
@@ -199,24 +201,58 @@ def distribute_tensor(
     pl = normalize_placements(placements, mesh.ndim, tensor.ndim)
     order = normalize_shard_order(pl, shard_order, tensor.ndim)
     full = tensor.detach()
+    meta = TensorMeta(tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
+    target = DTensorSpec(mesh, pl, meta, order)
     if src_data_rank is not None:
         if not 0 <= src_data_rank < mesh.size():
             raise ValueError(
                 f"src_data_rank={src_data_rank} is not a position in the mesh of {mesh.size()} ranks: "
                 f"use an index in [0, {mesh.size() - 1}] (row-major over {mesh.mesh.tolist()}) or None"
             )
-        src_coord = [int(c) for c in torch.unravel_index(torch.tensor(src_data_rank), mesh.shape)]
-        full = full.clone()
-        for i in reversed(range(mesh.ndim)):
-            if mesh.shape[i] > 1:
-                full = comm.broadcast(full, mesh.get_group(i), mesh.shape[i], mesh.ranks_along(i)[src_coord[i]])
-    meta = TensorMeta(tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
-    replicated = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta)
-    target = DTensorSpec(mesh, pl, meta, order)
-    local = redistribute_local(full, replicated, target)
-    if local.numel() < full.numel() or local.data_ptr() == tensor.data_ptr():
-        local = local.clone()
+        src_coord = tuple(int(c) for c in torch.unravel_index(torch.tensor(src_data_rank), mesh.shape))
+        local = _scatter(full, target, src_coord)
+        if local is None:  # a layout split part by part, or a sub-mesh without one group: broadcast first
+            full = full.clone()
+            for i in reversed(range(mesh.ndim)):
+                if mesh.shape[i] > 1:
+                    full = comm.broadcast(full, mesh.get_group(i), mesh.shape[i], mesh.ranks_along(i)[src_coord[i]])
+    if src_data_rank is None or local is None:
+        replicated = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, meta)
+        local = redistribute_local(full, replicated, target)
+        if local.numel() < full.numel() or local.data_ptr() == tensor.data_ptr():
+            local = local.clone()
     return rebuild(local, target, tensor.requires_grad)
+
+
+def _scatter(full: torch.Tensor, target: DTensorSpec, src: tuple[int, ...]) -> Optional[torch.Tensor]:
+    """This rank's piece of `target`, sent from the rank at mesh coordinate `src` (which holds
+    `full`) in one all_to_all over the mesh: every rank receives its piece and nothing more (a
+    broadcast would give every rank the whole). None where it cannot: a `_StridedShard`
+    layout, or a mesh of several dims without a group over all its ranks (a sub-mesh)."""
+    mesh = cast(DeviceMesh, target.mesh)
+    if mesh.size() == 1 or any(not isinstance(p, (Shard, Replicate, Partial)) for p in target.placements):
+        return None
+    if mesh.ndim == 1:
+        group, positions = mesh.get_group(0), tuple(range(mesh.size()))
+    else:
+        found = mesh.get_mesh_group()
+        if found is None:
+            return None
+        group, positions = found
+    unreduced = target.with_placements(tuple(Replicate() if isinstance(p, Partial) else p for p in target.placements),
+                                       target.shard_order)
+    splits = unreduced.split_orders()
+    orders = tuple(splits.get(d, ()) for d in range(unreduced.ndim))
+    coordinate = tuple(mesh.get_coordinate() or ())
+    routes = scatter_routes(tuple(mesh.shape), tuple(full.shape), orders, src, coordinate)
+    record = comm.AllToAllBoxes(
+        group=group, size=mesh.size(), shape=tuple(full.shape), dtype=full.dtype, out_shape=routes.out_shape,
+        sends=tuple((positions[p], box) for p, box in routes.sends),
+        recvs=tuple((positions[p], box) for p, box in routes.recvs),
+        keep=routes.keep, mesh_dims=tuple(range(mesh.ndim)),
+    )
+    piece = comm.run(record, full)
+    return redistribute_local(piece, unreduced, target)  # later terms of a Partial: zeros
 
 
 def rebuild(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
