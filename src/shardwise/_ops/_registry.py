@@ -18,8 +18,9 @@ an op to its variant rule while the mode is on; it is part of every cache key th
 depends on it, never a swap of caches.
 
 An overload nobody registered gets a rule derived once: `DECOMPOSED` when PyTorch has a
-decomposition for it that writes none of its arguments (its pieces have rules), else
-`FALLBACK` (gathered and run replicated, with a warning).
+decomposition for it that writes none of its arguments (its pieces have rules) or a
+composite kernel (`linear`, `matmul`: they reach dispatch whole only under
+`inference_mode`), else `FALLBACK` (gathered and run replicated, with a warning).
 
 >>> rule_for(torch.ops.aten.mm.default).kind
 <OpKind.SHARDED: 'sharded'>
@@ -185,6 +186,9 @@ def _derived(op: OpOverload) -> OpRule:
     if rule is None:
         if op in decomposition_table and not _writes_an_argument(op):
             rule = OpRule(op, OpKind.DECOMPOSED, where="torch._decomp")
+        elif torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+            # reaches dispatch only under inference_mode (linear, matmul): its composite kernel
+            rule = OpRule(op, OpKind.DECOMPOSED, where="CompositeImplicitAutograd")
         else:
             rule = OpRule(op, OpKind.FALLBACK, where="(none registered)")
         _DERIVED[op] = rule

@@ -163,8 +163,8 @@ def scatter_routes(
     receives its piece and nothing else, from `src`, in one all_to_all.
 
     >>> r = scatter_routes((4,), (10, 3), ((0,), ()), (0,), (2,))
-    >>> r.out_shape, r.sends, r.recvs
-    ((2, 3), (), ((0, ((0, 2), (0, 3))),))
+    >>> r.out_shape, r.sends, r.recvs  # rows 6..8 of 10 (torch.chunk sizes 3, 3, 3, 1)
+    ((3, 3), (), ((0, ((0, 3), (0, 3))),))
     >>> [peer for peer, _ in scatter_routes((4,), (10, 3), ((0,), ()), (0,), (0,)).sends]
     [1, 2, 3]
     """

@@ -237,7 +237,7 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: O
         if found is not None:
             return found
     if rule.kind is OpKind.DECOMPOSED:
-        return DecomposedPlan(decomposition_table[func])
+        return DecomposedPlan(decomposition_table.get(func) or func.decompose)
     by_mesh = _by_mesh(func, args)
     if by_mesh is not None:
         return by_mesh
