@@ -28,6 +28,7 @@ from .._ops._random import neutral_term
 from .._redistribute._exchange import scatter_routes
 from . import _random
 from ._autograd import FromLocal
+from ._plans import empty_piece
 from ._redistribute import redistribute_local
 from ._wrap import DTensorBase, wrap
 
@@ -154,9 +155,10 @@ def from_local(
     order = normalize_shard_order(pl, shard_order, local_tensor.ndim)
     if (shape is None) != (stride is None):
         raise ValueError(f"from_local got shape={shape} and stride={stride}: pass both or neither")
+    outside = mesh.get_coordinate() is None
     if shape is not None:
         gshape, gstride = tuple(shape), tuple(stride)  # type: ignore[arg-type]
-    elif run_check:
+    elif run_check and not outside:
         gshape = _checked_global_shape(local_tensor, mesh, pl, order)
         gstride = dense_strides_like(gshape, local_tensor.stride())
     else:
@@ -164,7 +166,7 @@ def from_local(
         # transposed whole): torch's rule of scaling the local strides, for dense pieces
         gshape = global_shape_from_local(local_tensor.shape, mesh.shape, pl)
         gstride = dense_strides_like(gshape, local_tensor.stride())
-    if run_check:
+    if run_check and not outside:
         for i, p in enumerate(pl):
             if isinstance(p, Replicate) and mesh.shape[i] > 1:
                 with torch.no_grad():
@@ -203,6 +205,8 @@ def distribute_tensor(
     full = tensor.detach()
     meta = TensorMeta(tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
     target = DTensorSpec(mesh, pl, meta, order)
+    if mesh.get_coordinate() is None:  # a rank outside the mesh holds nothing (torch's rule)
+        return rebuild(empty_piece(meta, tensor.device), target, tensor.requires_grad)
     if src_data_rank is not None:
         if not 0 <= src_data_rank < mesh.size():
             raise ValueError(
@@ -291,7 +295,10 @@ def _factory(
     order = normalize_shard_order(pl, shard_order, len(shape))
     meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype or torch.get_default_dtype())
     spec = DTensorSpec(mesh, pl, meta, order)
-    coordinate = tuple(mesh.get_coordinate() or (0,) * mesh.ndim)
+    found = mesh.get_coordinate()
+    if found is None:  # a rank outside the mesh holds nothing (torch's rule)
+        return rebuild(empty_piece(meta, mesh.device_type), spec, requires_grad)
+    coordinate = tuple(found)
     local_shape, offset = spec.local_shape_and_offset(coordinate)
     local = make(local_shape, offset, meta, mesh)
     term = neutral_term(spec, coordinate) if zero_partials else None

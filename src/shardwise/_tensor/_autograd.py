@@ -102,7 +102,12 @@ class ToLocal(torch.autograd.Function):
 class FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> Any:
-        ctx.spec = spec
+        ctx.spec, ctx.outside = spec, None
+        if getattr(spec.mesh, "get_coordinate", lambda: ())() is None:
+            # a rank outside the mesh holds nothing, whatever it passed (torch's rule)
+            ctx.outside = local.shape
+            empty = torch.zeros((), dtype=local.dtype, device=local.device) if spec.ndim == 0 else local.new_empty((0,))
+            return wrap(empty, spec, local.requires_grad)
         return wrap(local.view_as(local), spec, local.requires_grad)
 
     @staticmethod
@@ -110,6 +115,9 @@ class FromLocal(torch.autograd.Function):
         # each rank's piece is one term of a Partial: a Partial("avg") over n ranks counts
         # it 1/n, so its gradient is the full gradient / n (a "sum" term's is the full one)
         spec = ctx.spec
+        if ctx.outside is not None:
+            return grad.new_zeros(ctx.outside) if not isinstance(grad, DTensorBase) else \
+                grad._local_tensor.new_zeros(ctx.outside), None
         local = _grad_to(grad, spec)
         n = math.prod(size for size, p in zip(spec.mesh.shape, spec.placements)
                       if isinstance(p, Partial) and p.reduce_op == "avg")

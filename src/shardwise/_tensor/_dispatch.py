@@ -40,7 +40,7 @@ from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, Scala
 from .._placement import Replicate
 from .._spec import DTensorSpec, TensorMeta
 from ._plain import check_plain
-from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, Location, Plan, RestridedPlan, implicit, implicit_replication,
+from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, Location, OutsidePlan, Plan, RestridedPlan, implicit, implicit_replication,
                      misplaced, restride)
 from ._redistribute import Move, move_between
 from ._runtime import RUNTIME
@@ -248,6 +248,8 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: O
         tuple((k, _schema_arg(v, mesh)) for k, v in kwargs.items()) if kwargs else (),
     )
     specs = real.input_specs()
+    if mesh is not None and RUNTIME.coordinate(mesh) is None:
+        return _outside_plan(func, args, kwargs, rule, real)
     if not has_strided(specs):
         return _plan_from(func, args, kwargs, rule, real, specs)
     # a `_StridedShard` input (a fused projection's parts): see `_strided`
@@ -264,6 +266,23 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: O
         except Abort:
             pass
     return unstrided_plan(func, args, kwargs, where, _written_args(func, args), dispatch)
+
+
+def _outside_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: OpRule, schema: OpSchema) -> OutsidePlan:
+    """The plan on a rank outside the inputs' mesh: outputs in the layouts propagation gives
+    (Replicate where it cannot say), holding nothing."""
+    try:
+        outputs: Any = propagate(schema, rule).output_spec
+    except Exception:  # a layout only a real run could place: its values are never read here
+        mesh = _first_mesh(args, kwargs)
+        meta = schema.output_meta()
+        metas = meta if isinstance(meta, tuple) else (meta,)
+        made = tuple(DTensorSpec(mesh, (Replicate(),) * mesh.ndim, m) if isinstance(m, TensorMeta) else None  # type: ignore[union-attr]
+                     for m in metas)
+        outputs = made if isinstance(meta, tuple) else made[0]
+    written = _written_args(func, args)
+    returns = tuple(loc for loc in _locations(args, kwargs) if loc[0] in written) if written and _returns_written(func) else None
+    return OutsidePlan(outputs, returns, not func._schema.returns)
 
 
 def _by_mesh(func: Any, args: tuple[Any, ...]) -> Optional[ByMeshPlan]:

@@ -7,6 +7,8 @@ Each plan is a small frozen value with its own `run(args, kwargs)`:
 | `LeanPlan` | top-level DTensor arguments, the aten op itself on the pieces, fresh outputs | unwrap, move what must move, the C op, wrap |
 | `GeneralPlan` | nested arguments, local implementations, in-place and out= ops, outputs known only after the run | the same, then moved arguments written back, self re-laid out, written arguments returned |
 | `DecomposedPlan` | an op without a rule whose PyTorch decomposition has pieces with rules | the decomposition (its ops dispatched one by one) |
+| `ByMeshPlan` | a `_foreach_*` / `_fused_*` call over DTensors on several meshes | the call once per mesh |
+| `OutsidePlan` | a rank outside the DTensors' mesh | nothing: empty pieces out (torch's rule) |
 
 Every move is a `Move` (plan and this rank's program) made when the plan was made, so a
 call only runs programs; every output goes through `wrap`.
@@ -36,7 +38,7 @@ from ._wrap import DTENSOR_CLASSES, DTensorBase, Wrapper, rewrap, wrap
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _piece_of = operator.attrgetter("_local_tensor")  # in C: no Python frame per argument list
 
-__all__ = ["ByMeshPlan", "DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "Plan", "RestridedPlan", "implicit", "implicit_replication",
+__all__ = ["ByMeshPlan", "DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "OutsidePlan", "empty_piece", "Plan", "RestridedPlan", "implicit", "implicit_replication",
            "misplaced", "restride"]
 
 # Where a DTensor input sits: (positional index or keyword name, index in a list or None).
@@ -291,3 +293,40 @@ class ByMeshPlan:
                 for k, o in zip(indices, out):
                     results[k] = o
         return results if returned else None
+
+
+def empty_piece(meta: TensorMeta, device: Any) -> torch.Tensor:
+    """What a rank outside a DTensor's mesh holds, as in torch: a 0-dim zero for a 0-dim
+    tensor, else an empty 1-D tensor (no data of the global shape is ever allocated there)."""
+    if len(meta.shape) == 0:
+        return torch.zeros((), dtype=meta.dtype, device=device)
+    return torch.empty((0,), dtype=meta.dtype, device=device)
+
+
+def _empty_outputs(spec: Any, device: Any) -> Any:
+    if isinstance(spec, DTensorSpec):
+        return wrap(empty_piece(spec.tensor_meta, device), spec)
+    if isinstance(spec, (list, tuple)):
+        return tuple(_empty_outputs(s, device) for s in spec)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class OutsidePlan:
+    """An op on DTensors whose mesh does not hold this rank (torch's rule): nothing is computed
+    or sent; each tensor output is an empty piece of the output's layout, any other output
+    None, and an op that writes its arguments returns them as they are."""
+
+    outputs: Any  # the output spec(s) propagation gives
+    returns: Optional[tuple[Location, ...]]  # in-place / out=: return these inputs
+    returns_nothing: bool
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.returns is not None:
+            if self.returns_nothing:
+                return None
+            returned = [_get(args, kwargs, loc) for loc in self.returns]
+            return returned[0] if len(returned) == 1 else tuple(returned)
+        device = next((a._local_tensor.device for a in list(args) + list(kwargs.values()) if isinstance(a, DTensorBase)),
+                      torch.device("cpu"))
+        return _empty_outputs(self.outputs, device)
