@@ -130,7 +130,23 @@ def test_every_registered_op_has_a_case() -> None:
     from shardwise._ops import registered_ops
 
     ours = {op for op in registered_ops() if getattr(get_op_strategy(op), "__module__", "") == misc.__name__}
-    assert len(ours) >= 30 and ours == {c[1] for c in CASES}
+    assert len(ours) >= 30 and ours == {c[1] for c in CASES} | {aten.is_same_size.default}
+
+
+@pytest.mark.parametrize("other", [(8, 5), (5, 8)])
+def test_is_same_size_compares_global_shapes_and_moves_nothing(other: tuple[int, ...]) -> None:
+    from shardwise._ops import rule_for
+    from shardwise._ops._local import LocalCall
+
+    mesh = AbstractMesh((4,))
+    a = schema_for(aten.is_same_size.default, (t(8, 5), t(*other)), {}, mesh, [Layout((Shard(0),)), Layout((Replicate(),))])
+    result = propagate(a)
+    assert result.input_specs == (None, None) and result.output_spec is None
+    specs = a.input_specs()
+    local = rule_for(aten.is_same_size.default).local
+    assert local is not None
+    call = LocalCall(aten.is_same_size.default, [t(2, 5), t(*other)], {}, tuple(specs), None, None)  # type: ignore[arg-type]
+    assert local(call) is (other == (8, 5))
 
 
 # -- targeted: what must stay sharded, what must pass through ------------------------------

@@ -5,14 +5,17 @@ broadcast), be replicated, or stay `Partial` where the op is linear in it:
 
 | op | Partial kept when |
 |---|---|
-| add, sub (tensor + tensor) | every input is the same P(sum) or P(avg) |
+| add, sub (tensor + tensor) | every input is the same P(sum) or P(avg), or it and Replicate ones (made its terms for free: torch's `P + R`) |
+| add, sub (P first) | a P(max) / P(min) self and a Replicate other (a shift) |
+| maximum, fmax, clamp_min (minimum, fmin, clamp_max) | P(max) (P(min)) inputs, the others Replicate |
 | mul, div (P first for div) | exactly one input is P(sum)/P(avg), the others Replicate |
 | clone, detach, casts | always (one input); P(sum)/P(avg) not through a cast that changes the dtype |
 | neg | P(sum) or P(avg) (it would turn max into min) |
 
 The propagator prices every combination and keeps the cheapest, so `S(0) + S(0)` costs
-nothing, `S(0) + S(1)` moves the smaller side, and `P(sum) + R` reduces the partial
-first (never a silently wrong local add). In-place ops prefer their self layout; where
+nothing, `S(0) + S(1)` moves the smaller side, and `P(sum) + R` stays Partial with the
+replicated value added on one rank only (never a silently wrong local add: added on every
+rank it would count n times). In-place ops prefer their self layout; where
 none fits (an in-place op on a Partial that must be reduced), the dispatcher writes the
 result back into self's layout.
 """
@@ -44,6 +47,13 @@ _IDENTITY_LIKE = {
     aten._to_copy.default, aten.positive.default, aten.zero_.default, aten.lift_fresh.default,
 }
 _CASTS = {aten._to_copy.default}
+# Binary ops that commute with one reduce op: a P(max) (P(min)) beside the same P or a replicated value
+_EXTREMUM = {
+    aten.maximum.default: "max", aten.fmax.default: "max", aten.clamp_min.Tensor: "max",
+    aten.minimum.default: "min", aten.fmin.default: "min", aten.clamp_max.Tensor: "min",
+}
+# self + other, self - other: a P(max) / P(min) self shifted by a replicated other stays so
+_SHIFTS = {aten.add.Tensor, aten.sub.Tensor}
 # Additive but order-reversing: P(sum)/P(avg) survive, P(max)/P(min) would swap.
 _NEGATION = {aten.neg.default, aten.neg_.default}
 
@@ -63,12 +73,22 @@ def _partial_options(schema: OpSchema, out_dtype: torch.dtype, i: int) -> list[t
             continue
         if op in _IDENTITY_LIKE and len(dspecs) == 1:
             found.append((p, [p]))
+        elif _EXTREMUM.get(op) == p.reduce_op:
+            # max(max_r a_r, b) = max_r max(a_r, b): the other inputs the same P, or replicated
+            found.append((p, [p if isinstance(q.placements[i], Partial) else Replicate() for _, q in dspecs]))
+        elif op in _SHIFTS and p.reduce_op in ("max", "min") and k == 0 and len(dspecs) == 2 \
+                and not isinstance(dspecs[1][1].placements[i], Partial) and spec.shape == schema.output_meta().shape:
+            found.append((p, [p, Replicate()]))  # max_r(a_r) + b = max_r(a_r + b): b added on every rank
         elif p.reduce_op not in ("sum", "avg"):
             continue
         elif op in _NEGATION and len(dspecs) == 1:
             found.append((p, [p]))
         elif op in _ADDITIVE and all(isinstance(a, DTensorSpec) for a in args[:2]):
-            found.append((p, [p for _ in dspecs]))
+            # the other inputs the same P, or replicated ones turned into its terms for free
+            # (`partialize`: the value on one rank, zeros elsewhere), as long as the Partial
+            # input is as large as the output (else the later reduction would grow)
+            if all(isinstance(q.placements[i], Partial) for _, q in dspecs) or spec.shape == schema.output_meta().shape:
+                found.append((p, [p for _ in dspecs]))
         elif op in _MULTIPLICATIVE and not (op in _DIVISION and k != 0):
             found.append((p, [p if kk == k else Replicate() for kk, _ in dspecs]))
     return found
@@ -125,7 +145,9 @@ def pointwise_strategy(schema: OpSchema) -> OpStrategy:
         # dispatcher writes the result back into the layout it had)
         lay = Layout(out, _input_order(out, order, 0))
         outs = lay if n_outputs == 1 else (lay,) * n_outputs
-        strategies.append(PlacementStrategy(outs, tuple(ins) + (lay,) * extra))
+        # an additive op may turn a replicated input into the terms of a Partial one
+        free = tuple(range(len(dspecs))) if schema.op in _ADDITIVE else ()
+        strategies.append(PlacementStrategy(outs, tuple(ins) + (lay,) * extra, partialize=free))
     return OpStrategy(strategies)
 
 
