@@ -16,7 +16,7 @@ from typing import Any, Final, Literal
 
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "ReduceOp", "REDUCE_OPS", "_StridedShard"]
 
-ReduceOp = Literal["sum", "avg", "max", "min"]
+ReduceOp = Literal["sum", "avg", "max", "min", "prod"]
 REDUCE_OPS: Final = ("sum", "avg", "max", "min", "prod")
 
 

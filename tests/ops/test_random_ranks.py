@@ -94,7 +94,7 @@ def test_random_statistics_partial_inputs_and_dropout_gradients(mesh_shape: tupl
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01 and abs(u.var() - 1 / 12) < 0.005
     assert abs(z.mean()) < 0.02 and abs(z.std() - 1) < 0.02
     assert abs(b.mean() - 0.25) < 0.01
-    # a Partial input: *_like outputs are replicated values, zeros_like stays partial, an in-place fill
+    # a Partial input: *_like outputs are replicated values, empty_like stays partial, an in-place fill
     # of a Partial writes the value once (not once per term)
     full = seeded(7, 5, seed=3)
     p = make_dtensor(full, mesh, [Partial()] * n)
@@ -103,7 +103,9 @@ def test_random_statistics_partial_inputs_and_dropout_gradients(mesh_shape: tupl
     assert r.placements == (Replicate(),) * n
     torch.manual_seed(6)
     assert torch.equal(r.full_tensor(), torch.rand_like(sw.distribute_tensor(full, mesh, [Replicate()] * n)).full_tensor())
-    assert torch.zeros_like(p).placements == (Partial(),) * n and torch.equal(torch.zeros_like(p).full_tensor(), torch.zeros(7, 5))
+    # zeros_like replicates (as torch), empty_like keeps the Partial (nothing written)
+    assert torch.zeros_like(p).placements == (Replicate(),) * n and torch.equal(torch.zeros_like(p).full_tensor(), torch.zeros(7, 5))
+    assert torch.empty_like(p).placements == (Partial(),) * n
     torch.testing.assert_close(torch.ones_like(p).full_tensor(), torch.ones(7, 5))
     torch.testing.assert_close(torch.full_like(p, 3.0).full_tensor(), torch.full((7, 5), 3.0))
     filled = p.clone().fill_(2.0)

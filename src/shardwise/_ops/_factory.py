@@ -13,6 +13,7 @@ takes the input's layout and each rank makes only its piece. What changes is Par
 | in-place fills: `fill_`, `uniform_`, `normal_`, ... | kept: the local impl writes the value on the first rank of each P(sum) group, zeros elsewhere |
 | `bernoulli`, `bernoulli_(p tensor)` | probabilities reduced first |
 | `native_dropout` | output kept Partial (x * mask / (1-p) is linear in x), mask Replicate |
+| `multinomial` | probabilities reduced first; rows split over ranks draw locally |
 
 `new_*` with a size other than the input's shape has no layout to follow: it is Replicate.
 With the same shape each rank allocates only its piece (`new_empty_strided` too: its strides
@@ -35,7 +36,7 @@ from ._pointwise import pointwise_strategy
 from ._random import RANDOM_LOCAL
 from ._registry import OpKind, register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
-from ._utils import current, input_spec, replicate
+from ._utils import current, input_spec, order_like, replicate
 
 __all__ = ["LIKE_OPS", "NEW_OPS", "INPLACE_FILL_OPS", "RANDOM_OPS"]
 
@@ -64,7 +65,7 @@ RANDOM_OPS = [
     aten.uniform_.default, aten.normal_.default, aten.exponential_.default, aten.bernoulli_.float,
     aten.cauchy_.default, aten.log_normal_.default, aten.geometric_.default, aten.bernoulli_.Tensor, aten.bernoulli.default, aten.bernoulli.p,
     aten.random_.default, aten.random_.to, _RANDOM_FROM, aten.native_dropout.default,
-    aten.normal.Tensor_Tensor,
+    aten.normal.Tensor_Tensor, aten.multinomial.default,
 ]
 
 
@@ -130,6 +131,18 @@ def inplace_fill_strategy(schema: OpSchema) -> OpStrategy:
 def bernoulli_strategy(schema: OpSchema) -> OpStrategy:
     """bernoulli(probs): shards pass through, Partial probabilities are reduced first."""
     lay = _without_partial(input_spec(schema))
+    return OpStrategy([PlacementStrategy(lay, (lay,))])
+
+
+@register_op_strategy(aten.multinomial.default, local=RANDOM_LOCAL)
+def multinomial_strategy(schema: OpSchema) -> OpStrategy:
+    """multinomial(probs, n): rows split over ranks draw locally (the output's rows split
+    alike); the category dim is whole; Partial probabilities are reduced first."""
+    spec = input_spec(schema)
+    last = spec.ndim - 1
+    placements = tuple(Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == last) else p
+                       for p in spec.placements)
+    lay = Layout(placements, order_like(placements, spec))
     return OpStrategy([PlacementStrategy(lay, (lay,))])
 
 

@@ -19,6 +19,7 @@ these ops live in `_factory`; its registrations name these functions as their `l
 | `normal(mean, std)` (tensors) | mean + std * (Box-Muller normal), broadcast |
 | `random_(from, to)`, `randint_like` | from + floor(u * (to - from)) |
 | `native_dropout(x, p)` | mask = u < 1 - p; out = x * mask / (1 - p) |
+| `multinomial(probs, n)` | with replacement: the row's inverse CDF at u; without: the n smallest -log(1 - u) / p of the row |
 
 In-place fills keep self's layout even when it is Partial: along a P(sum) mesh dim the
 value goes to the first rank and the others hold zeros (the terms still sum to the
@@ -187,6 +188,27 @@ def _bernoulli(call: LocalCall) -> torch.Tensor:
     return (u < p).to(spec.dtype)
 
 
+def _multinomial(call: LocalCall) -> torch.Tensor:
+    """Each row's draws from uniforms at the row's global indices: with replacement, the
+    inverse of the row's cumulative distribution at (rows, num_samples) uniforms; without, the
+    `num_samples` smallest of -log(u) / p over (rows, categories) uniforms (an exponential
+    race: the same law as drawing one by one). Rows split over ranks draw locally."""
+    probs = call.args[0].to(torch.float64)
+    n = int(call.arg(1, "num_samples"))
+    out_spec = _spec(call)
+    seed = call.seed(out_spec)
+    if bool(call.arg(2, "replacement", False)):
+        u = local_uniform(out_spec, _where(call, out_spec), seed)
+        cdf = probs.cumsum(-1)
+        cdf = cdf / cdf[..., -1:]
+        return torch.searchsorted(cdf, u.contiguous(), right=True).clamp_(max=probs.size(-1) - 1)
+    in_spec = call.input_specs[0]
+    u = local_uniform(in_spec, _where(call, in_spec), seed)
+    keys = -torch.log1p(-u) / probs  # zero probability: +inf, never drawn before a positive one
+    chosen: torch.Tensor = keys.topk(n, dim=-1, largest=False).indices
+    return chosen
+
+
 def _random_(call: LocalCall) -> torch.Tensor:
     spec = _spec(call)
     c = _where(call, spec)
@@ -267,6 +289,7 @@ RANDOM_LOCAL: dict[Any, LocalFn] = {
     aten.randint_like.default: _randint_like,
     aten.randint_like.low_dtype: _randint_like,
     aten.native_dropout.default: _native_dropout,
+    aten.multinomial.default: _multinomial,
     aten.fill_.Scalar: _fill_,
     aten.fill_.Tensor: _fill_,
 }

@@ -186,7 +186,8 @@ def _derived(op: OpOverload) -> OpRule:
     if rule is None:
         if op in decomposition_table and not _writes_an_argument(op):
             rule = OpRule(op, OpKind.DECOMPOSED, where="torch._decomp")
-        elif torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+        elif torch._C._dispatch_has_kernel_for_dispatch_key(
+                op.name(), torch._C.DispatchKey.CompositeImplicitAutograd):  # type: ignore[no-untyped-call]
             # reaches dispatch only under inference_mode (linear, matmul): its composite kernel
             rule = OpRule(op, OpKind.DECOMPOSED, where="CompositeImplicitAutograd")
         else:

@@ -10,7 +10,7 @@ no warning, in strict mode too:
 | hash_tensor | an order-dependent hash of every element |
 | linspace / logspace with tensor endpoints | the endpoints arrive as (replicated) 0-dim tensors |
 | as_strided*, resize_, resize_as_ | defined on the storage of a contiguous tensor, which only the whole tensor has |
-| multinomial, rrelu_with_noise | draw from torch's generator in an order tied to the whole tensor (ranks share its state, so every rank draws the single-device values) |
+| rrelu_with_noise | draws from torch's generator in an order tied to the whole tensor (ranks share its state, so every rank draws the single-device values) |
 
 The storage ops read elements in storage order, so the whole copy they run on must have
 the global tensor's strides (a transposed DTensor gathers into a contiguous piece): their
@@ -46,7 +46,7 @@ REPLICATED_OPS = (
     aten.hash_tensor.default, aten.linspace.Tensor_Scalar, aten.linspace.Tensor_Tensor,
     aten.linspace.Scalar_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Tensor_Tensor,
     aten.logspace.Scalar_Tensor,
-    aten.multinomial.default, aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default,
+    aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default,
 ) + STORAGE_OPS
 
 

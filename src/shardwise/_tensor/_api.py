@@ -62,7 +62,7 @@ def _memory_order(local: torch.Tensor) -> Any:
     makes it ambiguous (such a piece agrees with any order)."""
     if any(s < 2 for s in local.shape):
         return None
-    return tuple(sorted(range(local.ndim), key=lambda d: (-local.stride(d), d)))
+    return tuple(sorted(range(local.ndim), key=lambda d: (-local.stride()[d], d)))
 
 
 def _ranks(ranks: Sequence[int]) -> str:

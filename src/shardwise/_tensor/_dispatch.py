@@ -275,11 +275,12 @@ def _outside_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule
         outputs: Any = propagate(schema, rule).output_spec
     except Exception:  # a layout only a real run could place: its values are never read here
         mesh = _first_mesh(args, kwargs)
+        assert mesh is not None  # the caller found it
         meta = schema.output_meta()
-        metas = meta if isinstance(meta, tuple) else (meta,)
-        made = tuple(DTensorSpec(mesh, (Replicate(),) * mesh.ndim, m) if isinstance(m, TensorMeta) else None  # type: ignore[union-attr]
+        metas = meta if isinstance(meta, tuple) and not isinstance(meta, TensorMeta) else (meta,)
+        made = tuple(DTensorSpec(mesh, (Replicate(),) * mesh.ndim, m) if isinstance(m, TensorMeta) else None
                      for m in metas)
-        outputs = made if isinstance(meta, tuple) else made[0]
+        outputs = made if isinstance(meta, tuple) and not isinstance(meta, TensorMeta) else made[0]
     written = _written_args(func, args)
     returns = tuple(loc for loc in _locations(args, kwargs) if loc[0] in written) if written and _returns_written(func) else None
     return OutsidePlan(outputs, returns, not func._schema.returns)

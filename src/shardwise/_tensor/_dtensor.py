@@ -25,7 +25,7 @@ from .._mesh import DeviceMesh
 from .._ops._utils import order_like
 from .._partition_spec import PartitionEntry, from_placements
 from .._placement import Partial, Placement, Replicate
-from .._spec import DTensorSpec
+from .._spec import DTensorSpec, TensorMeta
 from . import _api
 from ._async import Pending
 from ._autograd import Redistribute, to_local
