@@ -324,6 +324,7 @@ def test_multinomial_on_split_rows_draws_locally_and_equals_the_replicated_draw(
     probs[:, 2] = 0.0  # never drawn
     split = sw.distribute_tensor(probs, mesh, [Shard(0)])
     whole = sw.distribute_tensor(probs, mesh, [Replicate()])
+    sw.rand(4, device_mesh=mesh)  # the ranks' one-time check that they share the seed
     torch.manual_seed(7)
     with sw.comm_log() as log:
         drawn = torch.multinomial(split, 4, replacement=replacement)
@@ -360,3 +361,18 @@ def test_partial_plus_replicate_and_extremes_of_partials_stay_partial_without_co
     biggest = torch.arange(24.0).view(6, 4) * 4
     assert torch.equal(shifted.full_tensor(), biggest + 0.5)
     assert torch.equal(top.full_tensor(), biggest) and torch.equal(capped.full_tensor(), biggest.clamp(min=0.5))
+
+
+@distributed(world_size=4)
+def test_views_of_parameters_inside_inference_mode_are_normal_tensors() -> None:
+    mesh = _mesh()
+    torch.manual_seed(0)
+    w_full, x_full = torch.randn(3, 6), torch.randn(8, 6)
+    w = nn.Parameter(sw.distribute_tensor(w_full, mesh, [Shard(0)]))
+    x = sw.distribute_tensor(x_full, mesh, [Shard(0)])
+    with torch.inference_mode():
+        y = x @ w.t()  # a tied head's `hidden @ embed.weight.T`: raised "Cannot set version_counter"
+        z = w.T.view(6, 3)
+        assert not w.t().is_inference() and y.is_inference()
+    torch.testing.assert_close(y.full_tensor(), x_full @ w_full.t())
+    assert torch.equal(z.full_tensor(), w_full.T)

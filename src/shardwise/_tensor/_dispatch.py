@@ -40,7 +40,7 @@ from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, Scala
 from .._placement import Replicate
 from .._spec import DTensorSpec, TensorMeta
 from ._plain import check_plain
-from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, Location, OutsidePlan, Plan, RestridedPlan, implicit, implicit_replication,
+from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, Location, OutsidePlan, Plan, ViewPlan, RestridedPlan, implicit, implicit_replication,
                      misplaced, restride)
 from ._redistribute import Move, move_between
 from ._runtime import RUNTIME
@@ -121,8 +121,10 @@ def _first_run(key: tuple[Any, ...], func: Any, args: tuple[Any, ...], kwargs: d
     """Make the plan, run it, and cache it; a fresh output whose piece the kernel laid out in
     another memory order than the global tensor's is re-laid, then and on every later call."""
     run = _make_plan(func, args, kwargs, rule).run
-    out = run(args, kwargs)
     fresh = not any(r.alias_info is not None for r in func._schema.returns)
+    if not fresh:
+        run = ViewPlan(run).run
+    out = run(args, kwargs)
     which = misplaced(out) if fresh else ()
     if any(which):
         run = RestridedPlan(run, which).run

@@ -9,6 +9,7 @@ Each plan is a small frozen value with its own `run(args, kwargs)`:
 | `DecomposedPlan` | an op without a rule whose PyTorch decomposition has pieces with rules | the decomposition (its ops dispatched one by one) |
 | `ByMeshPlan` | a `_foreach_*` / `_fused_*` call over DTensors on several meshes | the call once per mesh |
 | `OutsidePlan` | a rank outside the DTensors' mesh | nothing: empty pieces out (torch's rule) |
+| `ViewPlan` | around any plan of a view op | the plan; under `inference_mode`, on a normal tensor, outside it |
 
 Every move is a `Move` (plan and this rank's program) made when the plan was made, so a
 call only runs programs; every output goes through `wrap`.
@@ -38,7 +39,7 @@ from ._wrap import DTENSOR_CLASSES, DTensorBase, Wrapper, rewrap, wrap
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _piece_of = operator.attrgetter("_local_tensor")  # in C: no Python frame per argument list
 
-__all__ = ["ByMeshPlan", "DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "OutsidePlan", "empty_piece", "Plan", "RestridedPlan", "implicit", "implicit_replication",
+__all__ = ["ByMeshPlan", "DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "OutsidePlan", "ViewPlan", "empty_piece", "Plan", "RestridedPlan", "implicit", "implicit_replication",
            "misplaced", "restride"]
 
 # Where a DTensor input sits: (positional index or keyword name, index in a list or None).
@@ -330,3 +331,23 @@ class OutsidePlan:
         device = next((a._local_tensor.device for a in list(args) + list(kwargs.values()) if isinstance(a, DTensorBase)),
                       torch.device("cpu"))
         return _empty_outputs(self.outputs, device)
+
+
+_inference_on = torch.is_inference_mode_enabled
+
+
+@dataclass(frozen=True, slots=True)
+class ViewPlan:
+    """A view op's plan. Under `inference_mode` a view of a normal (not inference) tensor must
+    be a normal tensor too: torch's view tracking gives it the base's version counter, which an
+    inference tensor cannot take. The wrapper of a DTensor's view is made inside the op, so it
+    would be an inference tensor: `w.t()` on a parameter inside `torch.inference_mode()` would
+    raise (it does with torch's DTensor). Such a view is made with inference mode off."""
+
+    inner: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _inference_on() and args and isinstance(args[0], torch.Tensor) and not args[0].is_inference():
+            with torch.inference_mode(False):
+                return self.inner(args, kwargs)
+        return self.inner(args, kwargs)
