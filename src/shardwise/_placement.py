@@ -148,6 +148,8 @@ class Partial(Placement):
     reduce_op: ReduceOp
 
     def __init__(self, reduce_op: str = "sum") -> None:
+        if reduce_op == "product":  # torch's spelling (c10d's ReduceOp.PRODUCT)
+            reduce_op = "prod"
         if reduce_op not in REDUCE_OPS:
             raise ValueError(
                 f"Partial(reduce_op={reduce_op!r}) is not supported: use one of {', '.join(REDUCE_OPS)}"

@@ -287,3 +287,14 @@ def test_sharding_spec_tile_assignment_agrees_with_the_pieces() -> None:
         for axis, d in enumerate(tiled):
             piece = torch.chunk(piece, tile_shape[axis], dim=d)[index[axis]]
         assert torch.equal(mark_sharding(full, dm, spec).to_local(), piece), f"{spec}: tile {index} of {tile}"
+
+
+@distributed(world_size=4)
+def test_mark_sharding_of_an_activation_keeps_its_graph() -> None:
+    mesh = Mesh([0, 1, 2, 3], (2, 2), ("x", "y"))
+    w = torch.arange(12.0).view(4, 3).requires_grad_()
+    h = w * 2  # an activation: distribute_tensor refuses it, mark_sharding keeps its graph
+    d = mark_sharding(h, mesh, ("x", None))
+    assert d.placements == (Shard(0), Replicate())
+    d.sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, torch.full((4, 3), 2.0))

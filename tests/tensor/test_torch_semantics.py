@@ -376,3 +376,38 @@ def test_views_of_parameters_inside_inference_mode_are_normal_tensors() -> None:
         assert not w.t().is_inference() and y.is_inference()
     torch.testing.assert_close(y.full_tensor(), x_full @ w_full.t())
     assert torch.equal(z.full_tensor(), w_full.T)
+
+
+@distributed(world_size=4)
+def test_outside_ranks_answer_equal_true_and_is_same_size_by_the_shapes() -> None:
+    sw.init_device_mesh("cpu", (4,))
+    sub = sw.DeviceMesh("cpu", [0, 2])
+    a = sw.distribute_tensor(torch.ones(4, 2), sub, [Shard(0)])
+    assert a.equal(sw.distribute_tensor(torch.ones(4, 2), sub, [Shard(0)]))
+    assert a.is_same_size(torch.ones(4, 2)) and not a.is_same_size(torch.ones(2, 4))
+
+
+@distributed(world_size=4)
+def test_distribute_tensor_refuses_a_non_leaf_and_a_dtensor_in_another_layout() -> None:
+    mesh = _mesh()
+    x = torch.randn(4, 4, requires_grad=True) + 2
+    with pytest.raises(ValueError, match="leaf"):
+        sw.distribute_tensor(x, mesh, [Shard(0)])
+    d = sw.distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    assert sw.distribute_tensor(d, mesh, [Shard(0)]) is d
+    with pytest.raises(ValueError, match="redistribute"):
+        sw.distribute_tensor(d, mesh, [Replicate()])
+    assert Partial("product") == Partial("prod")  # torch's spelling
+
+
+@distributed(world_size=4)
+def test_stack_of_a_partial_and_a_replicated_tensor_stays_partial_without_collectives() -> None:
+    mesh = _mesh((2, 2))
+    rank = dist.get_rank()
+    p = DTensor.from_local(torch.full((3,), float(rank // 2)), mesh, [Partial(), Replicate()])  # terms 0 and 1
+    q = DTensor.from_local(torch.full((3,), float(rank)), mesh, [Partial(), Partial()])
+    with sw.comm_log() as log:
+        s = torch.stack([p, q])
+    assert log == [] and s.placements == (Partial(), Partial())
+    expected = torch.stack([torch.full((3,), 1.0), torch.full((3,), 6.0)])  # 0 + 1; 0 + 1 + 2 + 3
+    assert torch.equal(s.full_tensor(), expected)

@@ -8,7 +8,8 @@ stack for unbind, select for stack, slice for cat, view + sum for repeat).
 The rule of `_view` applies: a dim the op leaves whole keeps its Shard, a dim it indexes,
 joins, reverses or shifts with global positions (`x[2:5]`, `roll(1, 0)`, the last two
 dims of `tril`) must be Replicate on that mesh dim, since the local op would read the
-positions as local ones. Partials pass through: these ops move elements or write zeros,
+positions as local ones. Partials pass through (cat / stack make a replicated input
+beside a Partial one its terms, free): these ops move elements or write zeros,
 and zeros reduce to zero under every reduce op (`unfold_backward`, which adds overlapping
 windows, keeps only sum/avg Partials).
 
@@ -193,7 +194,10 @@ def _join(schema: OpSchema, new_dim: bool) -> OpStrategy:
         order = order_like(ins, ref) if ref is not None else ()
         joined = Layout(ins, order)
         out = Layout(tuple(o for _, o in combo), renamed_order(order, dim_map))
-        strategies.append(PlacementStrategy(out, tuple(joined if ok else None for ok in real)))
+        # a replicated input joined with Partial ones becomes their terms for free (the value
+        # on one rank, the neutral element elsewhere), as torch's stack of P and R
+        strategies.append(PlacementStrategy(out, tuple(joined if ok else None for ok in real),
+                                            partialize=tuple(range(len(specs)))))
     return OpStrategy(strategies)
 
 

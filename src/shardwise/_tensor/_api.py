@@ -196,10 +196,23 @@ def distribute_tensor(
     if isinstance(tensor, DTensorBase):
         given = cast("DTensor", tensor)
         if given.device_mesh != mesh:
-            raise ValueError(f"distribute_tensor got a DTensor on {given.device_mesh!r}, not on {mesh!r}")
-        return given.redistribute(mesh, placements, shard_order=shard_order)
+            raise ValueError(f"distribute_tensor got a DTensor on {given.device_mesh!r}, not on {mesh!r}: a DTensor "
+                             f"is distributed already; move it with redistribute(device_mesh=...)")
+        wanted = normalize_placements(placements, mesh.ndim, given.ndim)
+        if wanted != given.placements or normalize_shard_order(wanted, shard_order, given.ndim) != given.shard_order:
+            raise ValueError(
+                f"distribute_tensor got a DTensor laid out {given._spec.layout_str()}, not {format_placements(wanted)}: "
+                f"a DTensor is distributed already; use given.redistribute(mesh, placements) to change its layout"
+            )
+        return given
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"distribute_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.requires_grad and tensor.grad_fn is not None:
+        raise ValueError(
+            f"distribute_tensor takes a leaf tensor (it returns a new leaf, so the gradient would never reach "
+            f"this one, made by {type(tensor.grad_fn).__name__}): distribute the leaf it comes from, or keep the "
+            f"graph with DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, placements)"
+        )
     pl = normalize_placements(placements, mesh.ndim, tensor.ndim)
     order = normalize_shard_order(pl, shard_order, tensor.ndim)
     full = tensor.detach()

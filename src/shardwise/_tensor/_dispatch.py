@@ -60,6 +60,10 @@ _SCALARS = (int, float, bool, complex, type(None), str, torch.dtype, torch.devic
 _SCALAR_TYPES = frozenset(_SCALARS)
 _LAZY_VIEWS = {torch.ops.aten._conj.default, torch.ops.aten._neg_view.default}
 _CAT = torch.ops.aten.cat.default
+# ops that read only metadata: they answer alike inside and outside the mesh
+_METADATA_OPS = {torch.ops.aten.is_same_size.default}
+# comparisons a rank outside the mesh answers as torch does (its empty pieces agree)
+_OUTSIDE_ANSWERS = {torch.ops.aten.equal.default: True, torch.ops.aten.allclose.default: True}
 _SLICE_BACKWARD = torch.ops.aten.slice_backward.default
 
 
@@ -250,7 +254,7 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: O
         tuple((k, _schema_arg(v, mesh)) for k, v in kwargs.items()) if kwargs else (),
     )
     specs = real.input_specs()
-    if mesh is not None and RUNTIME.coordinate(mesh) is None:
+    if mesh is not None and RUNTIME.coordinate(mesh) is None and func not in _METADATA_OPS:
         return _outside_plan(func, args, kwargs, rule, real)
     if not has_strided(specs):
         return _plan_from(func, args, kwargs, rule, real, specs)
@@ -285,7 +289,7 @@ def _outside_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule
         outputs = made if isinstance(meta, tuple) and not isinstance(meta, TensorMeta) else made[0]
     written = _written_args(func, args)
     returns = tuple(loc for loc in _locations(args, kwargs) if loc[0] in written) if written and _returns_written(func) else None
-    return OutsidePlan(outputs, returns, not func._schema.returns)
+    return OutsidePlan(outputs, returns, not func._schema.returns, _OUTSIDE_ANSWERS.get(func))
 
 
 def _by_mesh(func: Any, args: tuple[Any, ...]) -> Optional[ByMeshPlan]:

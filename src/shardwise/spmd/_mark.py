@@ -92,6 +92,8 @@ def _laid_out(t: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ..
     if isinstance(t, DTensor):
         _check_mesh(t, mesh, "mark_sharding")
         return t.redistribute(mesh, placements, shard_order=order)
+    if t.requires_grad and t.grad_fn is not None:  # an activation: keep its graph
+        return replicated(t, mesh).redistribute(mesh, placements, shard_order=order)
     return distribute_tensor(t, mesh, placements, shard_order=order)
 
 
@@ -118,8 +120,9 @@ def mark_sharding(t: torch.Tensor, mesh: Any, partition_spec: PartitionSpecLike)
     A plain tensor becomes a new DTensor (every rank must pass the same tensor; rank 0's data is
     used). A DTensor is redistributed. An `nn.Parameter` is changed in place and returned: the
     same object, now a DTensor parameter (requires_grad kept), so its module is sharded too.
-    Like `distribute_tensor`, a plain tensor's result is a new leaf, not connected to the
-    autograd graph of `t`: inside a model use `mark_sharding_with_gradients`.
+    Like `distribute_tensor`, a plain leaf's result is a new leaf; a tensor with a graph (an
+    activation that requires grad) keeps it, its gradient coming back whole on every rank
+    (`mark_sharding_with_gradients` is the explicit form).
 
     >>> # mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "model"))
     >>> # w = mark_sharding(model.fc.weight, mesh, (None, "model"))  # model.fc.weight is w
