@@ -87,7 +87,7 @@ def test_placements_have_no_instance_dict() -> None:
         assert not hasattr(p, "__dict__"), p
 
 
-@pytest.mark.parametrize("op", ["mul", "SUM", "", "mean", "product"])
+@pytest.mark.parametrize("op", ["mul", "SUM", "", "mean", "products"])
 def test_partial_with_an_unknown_op_names_it_and_lists_the_valid_ones(op: str) -> None:
     with pytest.raises(ValueError) as err:
         Partial(op)
@@ -125,3 +125,7 @@ def test_public_names_are_the_placement_classes() -> None:
 def test_placement_module_doctests_pass() -> None:
     result = doctest.testmod(_placement)
     assert result.attempted >= 2 and result.failed == 0, result
+
+
+def test_partial_takes_torchs_spelling_product_for_prod() -> None:
+    assert Partial("product") == Partial("prod") and str(Partial("product")) == "P(prod)"

@@ -205,11 +205,14 @@ def test_cat_and_stack_keep_a_partial_all_inputs_share(op: Any, partials: tuple[
     assert chosen.input_specs == (None, None) and chosen.output_spec.placements == (Partial(partials[0]),)
 
 
-def test_cat_of_a_partial_and_a_replicated_tensor_reduces_the_partial() -> None:
+def test_cat_of_a_partial_and_a_replicated_tensor_keeps_the_partial_and_moves_nothing() -> None:
+    # the replicated input becomes the Partial's terms for free (its value on the first rank,
+    # zeros elsewhere), as torch does for stack / cat of P and R
     a, b = t(4, 6), t(4, 6, seed=1)
     check_op(aten.cat.default, ([a, b], 0), mesh_shape=(4,), layouts=[[(Partial(),), (Replicate(),)]])
     chosen = _choose(aten.cat.default, ([a, b], 0), [(Partial(),), (Replicate(),)], (4,))
-    assert chosen.output_spec.placements == (Replicate(),)
+    assert chosen.output_spec.placements == (Partial(),)
+    assert chosen.input_specs[0] is None
 
 
 # -- the propagator's choices: no gather where none is needed -------------------------------
