@@ -110,3 +110,11 @@ def test_a_mesh_slice_listing_ranks_out_of_order_collects_in_mesh_order() -> Non
         y = x.redistribute(mesh, [Shard(1), Shard(0)])
         coord = mesh.get_coordinate()
         torch.testing.assert_close(y.to_local(), expected_piece(full, mesh.shape, [Shard(1), Shard(0)], coord))
+
+
+@pytest.mark.parametrize("shape", [("2",), (2.7,), (True,), (2, False), 4, "22"])
+def test_abstract_mesh_refuses_sizes_that_are_not_ints_naming_them(shape: object) -> None:
+    # Regression: int() coerced '2', 2.7 and True into sizes 2, 2 and 1
+    with pytest.raises(TypeError, match=r"mesh shape") as err:
+        AbstractMesh(shape)  # type: ignore[arg-type]
+    assert repr(shape if not isinstance(shape, tuple) else next(s for s in shape if not type(s) is int)) in str(err.value)

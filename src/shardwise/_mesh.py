@@ -45,6 +45,12 @@ class AbstractMesh:
     mesh_dim_names: Optional[tuple[str, ...]]
 
     def __init__(self, shape: Sequence[int], mesh_dim_names: Optional[Sequence[str]] = None) -> None:
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+            raise TypeError(f"mesh shape must be a sequence of ints, one per mesh dim, got {shape!r}: e.g. (2, 4)")
+        bad = [s for s in shape if isinstance(s, bool) or not hasattr(s, "__index__")]
+        if bad:
+            raise TypeError(f"mesh shape {tuple(shape)!r} holds {bad[0]!r} ({type(bad[0]).__name__}): every size must be "
+                            f"an int (not a str, float or bool)")
         shape = tuple(int(s) for s in shape)
         if not shape or any(s < 1 for s in shape):
             raise ValueError(f"mesh shape {shape} is invalid: give at least one dim, every size >= 1")

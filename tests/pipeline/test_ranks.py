@@ -394,6 +394,8 @@ def test_argument_errors_name_the_values_and_the_fix() -> None:
                                          r"  - dp_dim='dp' is not a dim of the mesh .*\n"
                                          r"  - schedule='zb' is not one of \('gpipe', '1f1b', 'interleaved'\)"):
         DistributedPipe(skip_model(), [5, 3], mesh, schedule="zb", dp_dim="dp")
+    with pytest.raises(ValueError, match=r"dp_dim='pp' is also the pp dim: averaging gradients over it would mix"):
+        DistributedPipe(skip_model(), [5, 3], mesh, dp_dim="pp")  # silently averaged stages' gradients
     with pytest.raises(ValueError, match=r"chunks \(3\) must be a multiple of 2"):
         DistributedPipe(skip_model(), [2, 2, 2, 2], mesh, schedule="interleaved", chunks=3)
     with pytest.raises(ValueError, match=r"module and sum of balance have different length \(module: 8, sum of "

@@ -294,3 +294,10 @@ def test_apply_marks_the_tensor_with_this_spec() -> None:
     if not hasattr(_mark, "mark_sharding"):
         pytest.skip("shardwise.spmd.mark_sharding is not written yet (another helper's _mark.py): the lead runs this")
     run_distributed(_apply_body, 4)
+
+
+@pytest.mark.parametrize("spec", [0, "xy", None])
+def test_a_partition_spec_that_is_not_a_sequence_is_a_type_error_naming_it(spec: Any) -> None:
+    # Regression: ShardingSpec(mesh, 0) raised "object of type 'int' has no len()"
+    with pytest.raises(TypeError, match=r"one entry per tensor dim .*got " + repr(spec).replace("'", "'")):
+        ShardingSpec(MESH_42, spec)

@@ -305,6 +305,9 @@ def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], sched
                         "with mesh_dim_names=(..., 'pp', ...) or pass pp_dim=")
     if dp_dim is None and "dp" in names and pp_dim != "dp":
         dp_dim = "dp"
+    elif dp_dim is not None and dp_dim == pp_dim:
+        problems.append(f"dp_dim={dp_dim!r} is also the pp dim: averaging gradients over it would mix different "
+                        f"stages' parameters; name a separate data-parallel mesh dim, or leave dp_dim=None")
     elif dp_dim is not None and dp_dim not in names:
         problems.append(f"dp_dim={dp_dim!r} is not a dim of the mesh (dims: {names}): name the mesh's data-parallel "
                         "dim, or leave dp_dim=None for a mesh without one")

@@ -150,8 +150,12 @@ class ShardingSpec:
         if not isinstance(self.minibatch, bool):
             raise TypeError(f"ShardingSpec(minibatch=...) must be a bool, got {self.minibatch!r}")
         spec: Any = self.partition_spec
-        if isinstance(spec, (list, tuple)):
-            spec = tuple(tuple(e) if isinstance(e, list) else e for e in spec)
+        if not isinstance(spec, (list, tuple)):
+            raise TypeError(
+                f"ShardingSpec(partition_spec=...) takes one entry per tensor dim (a tuple such as (0, None)), got "
+                f"{spec!r} ({type(spec).__name__})"
+            )
+        spec = tuple(tuple(e) if isinstance(e, list) else e for e in spec)
         dims = normalize_partition_spec(spec, self.mesh.mesh_shape, self.mesh.axis_names, len(spec))
         object.__setattr__(self, "partition_spec", spec)
         object.__setattr__(self, "_dims", dims)
