@@ -264,3 +264,45 @@ def test_bad_arguments_are_reported_together_with_the_fix() -> None:
     frozen.weight.requires_grad_(True)  # too late: it has no bucket, its gradient would never be averaged
     with pytest.raises(ValueError, match="weight got a gradient but did not require one"):
         frozen(torch.ones(3, 2)).sum().backward()
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("scenario", ["exception_in_no_sync", "failed_backward", "zero_grad_after_no_sync",
+                                      "zero_grad_keeping_tensors", "after_a_reduced_backward"])
+@distributed(world_size=4)
+def test_unreduced_gradient_terms_are_cleared_with_the_gradients(scenario: str) -> None:
+    # Regression: the unreduced terms lived outside `.grad`, so zero_grad() left them and the
+    # next step's gradients came out doubled on every rank, with no error
+    mesh = sw.init_device_mesh("cpu", (4,))
+    n, me = 4, mesh.get_local_rank(0)
+    torch.manual_seed(0)
+    ref = _Branchy()
+    model = copy.deepcopy(ref)
+    data_parallel(model, mesh)
+    x = torch.randn(4 * n, 4, generator=torch.Generator().manual_seed(3))
+    if scenario == "after_a_reduced_backward":  # the terms then sit beside a reduced .grad
+        model(x.chunk(n)[me], me == 0).backward()
+    try:
+        if scenario == "failed_backward":
+            h = model.a(x.chunk(n)[me])
+            h.register_hook(lambda g: (_ for _ in ()).throw(_Boom()))  # raises after b's gradients arrived
+            model.b(torch.tanh(h)).pow(2).mean().backward()
+        else:
+            with no_sync(model):
+                model(x.chunk(n)[me], me == 0).backward()
+                if scenario == "exception_in_no_sync":
+                    raise _Boom()
+    except _Boom:
+        pass
+    model.zero_grad(set_to_none=scenario not in ("zero_grad_keeping_tensors", "after_a_reduced_backward"))
+    model(x.chunk(n)[me], me == 0).backward()
+    torch.stack([ref(x.chunk(n)[r], r == 0) for r in range(n)]).mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.full_tensor().any(), name
+            continue
+        assert p.grad is not None, name
+        _close(f"grad {name}", p.grad.full_tensor(), q.grad)

@@ -35,6 +35,7 @@ holds between steps, not at the peak of one.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, cast
@@ -74,15 +75,23 @@ class _Param:
 
 @dataclass(eq=False)
 class _Reducer:
-    """Keeps replicated parameters' local gradients and averages them over dp through the
-    one bucketer (`_comm.all_reduce_coalesced`), once per backward."""
+    """Averages replicated parameters' local gradients over dp through the one bucketer
+    (`_comm.all_reduce_coalesced`), once per backward.
+
+    Until then a parameter's unreduced local sum lives where `zero_grad()` and `p.grad = None`
+    clear it, so an abandoned `no_sync()` accumulation or a backward that failed halfway cannot
+    leak into the next step: in `.grad` itself, laid out as the Partial("avg") it is
+    (`_Param.grad_spec`), or, when `.grad` already holds a reduced gradient (accumulation over
+    a reduced backward), beside it, tied to that very gradient tensor and its version (a
+    `zero_()` or a new `.grad` drops it)."""
 
     params: list[_Param]  # last registered first: about the order backward produces them
     group: Any
     size: int
     bucket_bytes: int
     sync: bool = True
-    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # id(_Param) -> local grad sum
+    # id(_Param) -> (the reduced .grad it adds to, that grad's version, the local sum)
+    beside: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = field(default_factory=dict)
     queued_task: Optional[int] = None
     reduced: set[int] = field(default_factory=set)
 
@@ -95,11 +104,18 @@ class _Reducer:
                 f"parameter {p.name} got a gradient but did not require one when data_parallel placed it: "
                 f"set requires_grad before calling data_parallel"
             )
-        held = self.pending.get(id(p))
-        if held is None:
-            self.pending[id(p)] = grad.detach().clone(memory_format=torch.contiguous_format)
+        held = p.param.grad
+        if held is None:  # the term becomes the gradient, as the Partial it is
+            p.param.grad = DTensor(grad.detach().clone(memory_format=torch.contiguous_format), p.grad_spec,
+                                   requires_grad=False)
+        elif held._spec == p.grad_spec:  # type: ignore[attr-defined]
+            held._local_tensor.add_(grad)  # type: ignore[attr-defined]
         else:
-            held.add_(grad)
+            term = self._beside(p, held)
+            if term is None:
+                term = torch.zeros_like(grad, memory_format=torch.contiguous_format)
+            term.add_(grad)
+            self.beside[id(p)] = (weakref.ref(held), held._version, term)
         if not self.sync:
             return
         task = torch._C._current_graph_task_id()
@@ -112,18 +128,36 @@ class _Reducer:
         on dp); a parameter no rank used keeps its gradient as it was."""
         self.queued_task = None
         with torch.no_grad():
-            values = [self.pending.pop(id(p), None) for p in self.params]
+            grads = [p.param.grad for p in self.params]
+            values = [self._unreduced(p, g) for p, g in zip(self.params, grads)]
+            self.beside.clear()
             templates = [p.param._local_tensor for p in self.params]
             averaged = comm.all_reduce_coalesced(values, self.group, self.size, "avg", templates=templates,
                                                  bucket_bytes=self.bucket_bytes)
-            for p, piece in zip(self.params, averaged):
+            for p, g, piece in zip(self.params, grads, averaged):
                 if piece is None:
                     continue
-                grad = DTensor(piece, p.param._spec, requires_grad=False)
-                if p.param.grad is None:
-                    p.param.grad = grad
+                if g is None or g._spec == p.grad_spec:  # type: ignore[attr-defined]
+                    p.param.grad = DTensor(piece, p.param._spec, requires_grad=False)
                 else:
-                    p.param.grad.add_(grad)
+                    g._local_tensor.add_(piece)  # type: ignore[attr-defined]
+
+    def _beside(self, p: _Param, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """The local sum kept beside `grad` (a reduced gradient), if `grad` is still the tensor
+        it was kept for and nothing has changed it in place since."""
+        found = self.beside.get(id(p))
+        if found is None or found[0]() is not grad or grad._version != found[1]:
+            return None
+        return found[2]
+
+    def _unreduced(self, p: _Param, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """`p`'s unreduced local sum: its `.grad` while that is the Partial("avg") term, else the
+        sum kept beside its reduced `.grad`; None when there is none (cleared with the grads)."""
+        if grad is None:
+            return None
+        if grad._spec == p.grad_spec:  # type: ignore[attr-defined]
+            return grad._local_tensor  # type: ignore[attr-defined,no-any-return]
+        return self._beside(p, grad)
 
 
 class _LocalView(torch.autograd.Function):
