@@ -19,6 +19,7 @@ import copy
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Optional
 from unittest import mock
@@ -41,6 +42,11 @@ SAVED_LAYOUTS: dict[str, list[Placement]] = {
     "s0": [Shard(0)], "s1": [Shard(1)], "r": [Replicate()], "psum": [Partial("sum")], "pmax": [Partial("max")],
 }
 PLAIN = {"step": 3, "name": "run-7", "opts": {"betas": (0.9, 0.99), "flags": [True, None], "lr": 1e-3}}
+
+
+def _rank_file(name: str) -> str:
+    """A data file's name without its save's generation: rank_2.0a1b2c3d.pt -> rank_2.pt."""
+    return re.sub(r"\.[0-9a-f]{8}\.pt$", ".pt", name)
 
 
 def _value(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -168,7 +174,7 @@ def test_save_on_4_ranks_loads_onto_2x2_onto_2_ranks_and_into_one_process(tmp_pa
     assert len(by_key[("tensors", "r_8x12")]["pieces"]) == 1  # a replicated tensor: written by one rank
     assert len(by_key[("tensors", "s0_8x12")]["pieces"]) == 4
     assert len(by_key[("tensors", "s0_3x1")]["pieces"]) == 3  # the empty fourth piece is not written
-    assert {p["file"] for e in table["entries"] if e["kind"] == "object" for p in e["pieces"]} == {"rank_0.pt"}
+    assert {_rank_file(p["file"]) for e in table["entries"] if e["kind"] == "object" for p in e["pieces"]} == {"rank_0.pt"}
 
     run_distributed(_load_onto, 4, path, (2, 2), ON_2X2)
     run_distributed(_load_onto, 2, path, (2,), ON_2)
@@ -198,7 +204,7 @@ def _replicas_save(path: str) -> None:
 def test_each_replicated_element_is_written_once(tmp_path: Path) -> None:
     run_distributed(_replicas_save, 4, str(tmp_path))
     table = _check_table(tmp_path)
-    writers = {e["path"][0]: sorted(p["file"] for p in e["pieces"]) for e in table["entries"]}
+    writers = {e["path"][0]: sorted(_rank_file(p["file"]) for p in e["pieces"]) for e in table["entries"]}
     # mesh (2, 2), row-major ranks: coordinate 0 on the mesh dims that do not split the tensor
     assert writers == {"rr": ["rank_0.pt"], "rs": ["rank_0.pt", "rank_1.pt"], "sr": ["rank_0.pt", "rank_2.pt"],
                        "pr": ["rank_0.pt"], "ps": ["rank_0.pt", "rank_2.pt"]}
@@ -223,7 +229,7 @@ def _sub_mesh_save(path: str) -> None:
 def test_pieces_held_on_several_sub_meshes_are_written_once(tmp_path: Path) -> None:
     run_distributed(_sub_mesh_save, 4, str(tmp_path))
     table = _check_table(tmp_path)
-    writers = {e["path"][0]: sorted(p["file"] for p in e["pieces"]) for e in table["entries"]}
+    writers = {e["path"][0]: sorted(_rank_file(p["file"]) for p in e["pieces"]) for e in table["entries"]}
     # the lowest rank holding a piece writes it: the dp = 0 row of the tp meshes, the tp = 0 column of the dp ones
     assert writers == {"tp_s0": ["rank_0.pt", "rank_1.pt"], "tp_r": ["rank_0.pt"],
                        "dp_s1": ["rank_0.pt", "rank_2.pt"], "dp_p": ["rank_0.pt"]}
@@ -355,7 +361,7 @@ def _save_with_one_bad_value(path: str) -> None:
         with pytest.raises(TypeError, match=r"(?s)'hook': function .*failed on rank 2 while checking the state dict"):
             checkpoint.save(state, checkpoint_id=path)
     else:
-        with pytest.raises(RuntimeError, match="failed on rank 2 while checking the state dict: no metadata.json"):
+        with pytest.raises(RuntimeError, match="failed on rank 2 while checking the state dict: no new metadata.json"):
             checkpoint.save(state, checkpoint_id=path)
 
 
@@ -369,11 +375,14 @@ def _save_with_a_failing_writer(path: str) -> None:
     else:
         with pytest.raises(RuntimeError, match="failed on rank 1 while writing the data files"):
             checkpoint.save(state, checkpoint_id=path)
-    with pytest.raises(ValueError, match="not a complete checkpoint"):  # on every rank
-        checkpoint.load({"w": torch.zeros(8, 3)}, checkpoint_id=path)
+    loaded = {"w": torch.zeros(8, 3)}  # on every rank: the earlier checkpoint, whole
+    checkpoint.load(loaded, checkpoint_id=path)
+    assert torch.equal(loaded["w"], torch.full((8, 3), 7.0))
 
 
-def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_writes_no_metadata(tmp_path: Path) -> None:
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_earlier_checkpoint(tmp_path: Path) -> None:
+    # Regression: a save removed the old metadata.json as it started, so a save that failed
+    # (or was killed) on any rank left nothing loadable
     checkpoint.save({"w": torch.full((8, 3), 7.0)}, checkpoint_id=tmp_path)  # an earlier checkpoint
     run_distributed(_save_with_one_bad_value, 4, str(tmp_path), timeout=120)
     # refused before anything was written: the earlier checkpoint is intact
@@ -381,9 +390,17 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_writes_no_metadat
     checkpoint.load(state, checkpoint_id=tmp_path)
     assert torch.equal(state["w"], torch.full((8, 3), 7.0))
 
+    (tmp_path / ".rank_3.pt.4242.tmp").write_bytes(b"half")  # what a killed save leaves
     run_distributed(_save_with_a_failing_writer, 4, str(tmp_path), timeout=120)
-    assert not (tmp_path / "metadata.json").exists()
-    assert not list(tmp_path.glob(".*.tmp")), "a temporary file was left behind"
+    assert (tmp_path / "metadata.json").exists()
+    checkpoint.load(state, checkpoint_id=tmp_path)
+    assert torch.equal(state["w"], torch.full((8, 3), 7.0))
+    # the next save that completes removes what no metadata names: older generations, temporary files
+    checkpoint.save({"w": torch.full((8, 3), 9.0)}, checkpoint_id=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".json"))[0].startswith("rank_0.")
+    assert not list(tmp_path.glob(".*.tmp")) and len(list(tmp_path.glob("rank_*.pt"))) == 1
+    checkpoint.load(state, checkpoint_id=tmp_path)
+    assert torch.equal(state["w"], torch.full((8, 3), 9.0))
 
 
 def _save_disagreeing_state_dicts(path: str) -> None:
@@ -469,3 +486,17 @@ def test_values_that_load_cannot_read_back_are_refused_by_name(tmp_path: Path) -
 
 def test_public_surface() -> None:
     assert checkpoint.__all__ == ["load", "save"]
+
+
+@pytest.mark.parametrize("name", ["../outside.pt", "/etc/passwd", ".hidden.pt", "sub/rank_0.pt", ".."])
+def test_a_table_naming_a_file_outside_the_checkpoint_directory_is_refused(tmp_path: Path, name: str) -> None:
+    # Regression: a piece's file name was joined to the directory as it was, so `../` or an
+    # absolute path in a damaged or hostile metadata.json read a file elsewhere
+    checkpoint.save({"w": torch.ones(2, 3)}, checkpoint_id=tmp_path)
+    table = json.loads((tmp_path / "metadata.json").read_text())
+    table["entries"][0]["pieces"][0]["file"] = name
+    (tmp_path / "metadata.json").write_text(json.dumps(table))
+    state = {"w": torch.zeros(2, 3)}
+    with pytest.raises(ValueError, match="outside the checkpoint directory"):
+        checkpoint.load(state, checkpoint_id=tmp_path)
+    assert torch.equal(state["w"], torch.zeros(2, 3))

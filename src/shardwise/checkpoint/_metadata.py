@@ -1,10 +1,13 @@
 """The checkpoint's table of contents: what each path holds and which file pieces hold it.
 
-A checkpoint is a directory: one data file per rank of the save (`rank_<r>.pt`) and
-`metadata.json`, written last, by rank 0, once every rank's data file is in place. The
-metadata file is what makes the directory a checkpoint: a save that fails on any rank never
-writes it (and a new save removes the old one first), so `load` refuses a directory
-without it instead of reading a mix of old and new pieces.
+A checkpoint is a directory: one data file per rank of the save (`rank_<r>.<generation>.pt`,
+the generation drawn afresh by each save) and `metadata.json`, written last, by rank 0, once
+every rank's data file is in place, by one atomic rename. The metadata file is what makes the
+directory a checkpoint, and it names the files of its own generation only: a new save writes
+beside the files the current metadata names, never over them, so until its metadata replaces
+the old one the directory loads the previous checkpoint, whole, and after that the new one.
+A save that fails or is killed at any moment leaves the previous checkpoint loadable; the next
+save that completes removes the files no metadata names (older generations, temporary files).
 
 Every tensor is saved as *pieces*, boxes of global indices ((start, length) per tensor dim)
 that tile it exactly once, whatever layout it had; loading onto another layout is reading
@@ -34,7 +37,7 @@ from ._files import write_atomically
 from ._paths import Path, show
 
 __all__ = [
-    "FORMAT", "METADATA", "VERSION", "Entry", "Piece", "data_file", "dtype_from_name", "dtype_name",
+    "FORMAT", "METADATA", "VERSION", "Entry", "Piece", "data_file", "dtype_from_name", "dtype_name", "is_plain_name",
     "read_metadata", "write_metadata",
 ]
 
@@ -43,9 +46,16 @@ FORMAT = "shardwise.checkpoint"
 VERSION = 1
 
 
-def data_file(rank: int) -> str:
-    """The name of the data file rank `rank` writes."""
-    return f"rank_{rank}.pt"
+def data_file(rank: int, generation: str) -> str:
+    """The name of the data file rank `rank` writes in save `generation`."""
+    return f"rank_{rank}.{generation}.pt"
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether a file name a checkpoint lists stays inside its directory (no separator, no
+    `..`, not hidden): a damaged or hostile metadata file cannot point elsewhere."""
+    return isinstance(name, str) and bool(name) and name not in (".", "..") and not name.startswith(".") \
+        and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -134,6 +144,9 @@ def read_metadata(directory: FilePath) -> dict[Path, Entry]:
         if table.get("version") != VERSION:
             raise ValueError(f"version {table.get('version')!r}; this shardwise reads version {VERSION}")
         entries = [Entry.from_json(e) for e in table["entries"]]
+        outside = sorted({p.file for e in entries for p in e.pieces if not is_plain_name(p.file)}, key=repr)
+        if outside:
+            raise ValueError(f"data file names {outside} would reach outside the checkpoint directory")
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{str(where)!r} is not a shardwise checkpoint table ({exc}): it was not written by "
                          f"shardwise.checkpoint.save, or it was damaged") from exc

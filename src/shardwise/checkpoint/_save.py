@@ -30,6 +30,7 @@ import hashlib
 import io
 import json
 import os
+import secrets
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path as FilePath
@@ -43,7 +44,7 @@ from .._placement import Replicate, _StridedShard
 from .._redistribute._exchange import Box, piece_boxes
 from .._tensor import DTensor
 from ._files import checkpoint_dir, read_data, write_atomically
-from ._metadata import METADATA, Entry, Piece, data_file, dtype_name, write_metadata
+from ._metadata import Entry, Piece, data_file, dtype_name, write_metadata
 from ._paths import Path, is_stateful, leaves, show
 
 __all__ = ["save"]
@@ -65,8 +66,11 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
     `load` puts the global values onto whatever meshes and layouts the target has.
 
     When `save` returns on any rank, the checkpoint is complete. If it fails on any rank,
-    every rank raises (the failed rank its own error, the others a RuntimeError naming it)
-    and the directory holds no `metadata.json`, so `load` refuses it.
+    every rank raises (the failed rank its own error, the others a RuntimeError naming it),
+    and the directory still loads the checkpoint it held before, if any: the new files are
+    written beside the ones its `metadata.json` names and become current only when the new
+    `metadata.json` replaces it, in one atomic rename (see `_metadata`). A completed save
+    removes the files no metadata names (older generations, temporary files of killed saves).
     """
     directory = checkpoint_dir(checkpoint_id)
     rank, world = _rank_and_world()
@@ -84,20 +88,16 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
         directory.mkdir(parents=True, exist_ok=True)
     except Exception as exc:
         error = exc
-    _agree("checking the state dict", error, directory, world)
-
-    if rank == 0:
-        try:
-            (directory / METADATA).unlink(missing_ok=True)  # from here on, the directory is not a checkpoint
-        except Exception as exc:
-            error = exc
-    counts = _agree("removing the older metadata.json", error, directory, world, len(claims))
+    # a fresh generation for this save's file names, drawn by rank 0 (never one in use there)
+    token = _fresh_generation(directory) if rank == 0 and error is None else 0
+    generation = f"{_agree('checking the state dict', error, directory, world, token)[0]:08x}"
+    counts = _agree("claiming pieces", error, directory, world, len(claims))
     taken = _claimed_below(rank, world, claims, counts)
 
     with torch.no_grad():
         items = [(path, _reduced(leaf) if isinstance(leaf, DTensor) else leaf) for path, leaf in items]
     try:
-        name = data_file(rank)
+        name = data_file(rank, generation)
         entries, values = _pieces(items, rank, name, taken)
         payload = {"entries": [e.to_json() for e in entries], "values": values}
         write_atomically(directory / name, lambda f: torch.save(payload, f))
@@ -107,11 +107,49 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
 
     if rank == 0:
         try:
-            write_metadata(directory, _merge(directory, world), world)
+            write_metadata(directory, _merge(directory, world, generation), world)  # the atomic switch
+            _sync_directory(directory)
         except Exception as exc:
             error = exc
     _agree("writing metadata.json", error, directory, world)
+    if rank == 0:
+        _remove_unnamed(directory, generation)
 
+
+def _fresh_generation(directory: FilePath) -> int:
+    """A random 31-bit generation whose rank 0 file is not in `directory` yet."""
+    while True:
+        token = secrets.randbits(31)
+        if not (directory / data_file(0, f"{token:08x}")).exists():
+            return token
+
+
+def _sync_directory(directory: FilePath) -> None:
+    """Make the directory's entries (a rename into it) durable, where the system allows it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not sync directories; the rename is atomic all the same
+    finally:
+        os.close(fd)
+
+
+def _remove_unnamed(directory: FilePath, generation: str) -> None:
+    """After a completed save: remove the data files of older generations and the temporary
+    files of saves that were killed (none is being written now: every rank has finished)."""
+    for path in directory.iterdir():
+        name = path.name
+        stale_data = name.startswith("rank_") and name.endswith(".pt") and not name.endswith(f".{generation}.pt")
+        stale_temporary = name.startswith(".") and name.endswith(".tmp")
+        if (stale_data or stale_temporary) and path.is_file():
+            try:
+                path.unlink()
+            except OSError:
+                pass  # gone already, or not ours to remove: the checkpoint is complete either way
 
 def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
@@ -135,8 +173,8 @@ def _agree(step: str, error: Optional[Exception], directory: FilePath, world: in
     if not failed:
         return [n for _, n in rows]
     ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
-    why = (f"save to {str(directory)!r} failed on {ranks} while {step}: no metadata.json was written, so the "
-           f"directory is not a checkpoint and load refuses it")
+    why = (f"save to {str(directory)!r} failed on {ranks} while {step}: no new metadata.json was written, so the "
+           f"directory still loads the checkpoint it held before (if any)")
     if error is not None:
         error.add_note(why)
         raise error
@@ -271,7 +309,7 @@ def _describe(entry: Entry) -> str:
     return f"{kind} of shape {entry.shape} and dtype {entry.dtype}"
 
 
-def _merge(directory: FilePath, world: int) -> list[Entry]:
+def _merge(directory: FilePath, world: int, generation: str) -> list[Entry]:
     """The table: every rank's entries, the pieces of one path together, checked to tile each
     tensor exactly once."""
     merged: dict[Path, Entry] = {}
@@ -279,7 +317,7 @@ def _merge(directory: FilePath, world: int) -> list[Entry]:
     problems: list[str] = []
     disagreed: set[Path] = set()
     for r in range(world):
-        for entry in map(Entry.from_json, read_data(directory / data_file(r))[0]):
+        for entry in map(Entry.from_json, read_data(directory / data_file(r, generation))[0]):
             first = merged.get(entry.path)
             holders.setdefault(entry.path, []).append(r)
             if first is None:
