@@ -103,7 +103,7 @@ class FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> Any:
         ctx.spec, ctx.outside = spec, None
-        if getattr(spec.mesh, "get_coordinate", lambda: ())() is None:
+        if getattr(spec.mesh, "_coordinate", ()) is None:  # on every call: the slot, not a list copy
             # a rank outside the mesh holds nothing, whatever it passed (torch's rule)
             ctx.outside = local.shape
             empty = torch.zeros((), dtype=local.dtype, device=local.device) if spec.ndim == 0 else local.new_empty((0,))
@@ -115,9 +115,9 @@ class FromLocal(torch.autograd.Function):
         # each rank's piece is one term of a Partial: a Partial("avg") over n ranks counts
         # it 1/n, so its gradient is the full gradient / n (a "sum" term's is the full one)
         spec = ctx.spec
-        if ctx.outside is not None:
-            return grad.new_zeros(ctx.outside) if not isinstance(grad, DTensorBase) else \
-                grad._local_tensor.new_zeros(ctx.outside), None
+        if ctx.outside is not None:  # the piece this rank passed gets no gradient
+            piece = grad._local_tensor if isinstance(grad, DTensorBase) else grad
+            return piece.new_zeros(ctx.outside), None
         local = _grad_to(grad, spec)
         n = math.prod(size for size, p in zip(spec.mesh.shape, spec.placements)
                       if isinstance(p, Partial) and p.reduce_op == "avg")

@@ -40,8 +40,8 @@ from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, Scala
 from .._placement import Replicate
 from .._spec import DTensorSpec, TensorMeta
 from ._plain import check_plain
-from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, Location, OutsidePlan, Plan, ViewPlan, RestridedPlan, implicit, implicit_replication,
-                     misplaced, restride)
+from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, Location, OutsidePlan, Plan, RestridedPlan,
+                     ViewPlan, implicit, implicit_replication, misplaced, restride)
 from ._redistribute import Move, move_between
 from ._runtime import RUNTIME
 from ._strided import (Abort, cat_plan, has_strided, in_split_backward, slice_backward_plan, slice_plan, split_plan, translation,

@@ -39,8 +39,8 @@ from ._wrap import DTENSOR_CLASSES, DTensorBase, Wrapper, rewrap, wrap
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _piece_of = operator.attrgetter("_local_tensor")  # in C: no Python frame per argument list
 
-__all__ = ["ByMeshPlan", "DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "OutsidePlan", "ViewPlan", "empty_piece", "Plan", "RestridedPlan", "implicit", "implicit_replication",
-           "misplaced", "restride"]
+__all__ = ["ByMeshPlan", "DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "OutsidePlan", "Plan", "RestridedPlan",
+           "ViewPlan", "empty_piece", "implicit", "implicit_replication", "misplaced", "restride"]
 
 # Where a DTensor input sits: (positional index or keyword name, index in a list or None).
 Location = tuple[Union[int, str], Optional[int]]
