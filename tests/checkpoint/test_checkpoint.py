@@ -44,6 +44,15 @@ SAVED_LAYOUTS: dict[str, list[Placement]] = {
 PLAIN = {"step": 3, "name": "run-7", "opts": {"betas": (0.9, 0.99), "flags": [True, None], "lr": 1e-3}}
 
 
+def _resealed(table: dict[str, Any]) -> dict[str, Any]:
+    """An edited table with its checksum made to match again (a deliberate forgery, which the
+    other checks must still catch)."""
+    from shardwise.checkpoint._metadata import _body_digest
+
+    body = {k: v for k, v in table.items() if k != "sha256"}
+    return {**body, "sha256": _body_digest(body)}
+
+
 def _rank_file(name: str) -> str:
     """A data file's name without its save's generation: rank_2.0a1b2c3d.pt -> rank_2.pt."""
     return re.sub(r"\.[0-9a-f]{8}\.pt$", ".pt", name)
@@ -495,7 +504,7 @@ def test_a_table_naming_a_file_outside_the_checkpoint_directory_is_refused(tmp_p
     checkpoint.save({"w": torch.ones(2, 3)}, checkpoint_id=tmp_path)
     table = json.loads((tmp_path / "metadata.json").read_text())
     table["entries"][0]["pieces"][0]["file"] = name
-    (tmp_path / "metadata.json").write_text(json.dumps(table))
+    (tmp_path / "metadata.json").write_text(json.dumps(_resealed(table)))
     state = {"w": torch.zeros(2, 3)}
     with pytest.raises(ValueError, match="outside the checkpoint directory"):
         checkpoint.load(state, checkpoint_id=tmp_path)

@@ -10,7 +10,11 @@ and their layouts are independent, and one process with plain tensors can load a
 checkpoint that 64 ranks saved.
 
 Everything is checked before anything is copied, so a load that fails leaves the state
-dict as it was, and every mismatch is reported at once.
+dict as it was, and every mismatch is reported at once: the table (its checksum, and that
+every tensor's pieces tile it), the state dict against the table, and every piece this
+rank will read (its file's size, its checksum, shape and dtype). Under a process group the
+ranks then agree, so that a load fails on every rank or on none: a rank never goes on with
+loaded values while another keeps its old ones.
 """
 
 from __future__ import annotations
@@ -22,18 +26,21 @@ from typing import Any, Optional, Union
 
 import torch
 
+import torch.distributed as dist
+
 from .._placement import Partial
 from .._redistribute._exchange import Box, overlap, piece_boxes
 from .._tensor import DTensor
+from ._agree import agree
 from ._files import checkpoint_dir, read_data
-from ._metadata import Entry, Piece, read_metadata
+from ._metadata import Entry, Piece, Table, digest, dtype_name, read_metadata
 from ._paths import Path, is_stateful, leaves, put_back, show
 
 __all__ = ["load"]
 
 
 def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.PathLike[str]],
-         strict: bool = True) -> None:
+         strict: bool = True, process_group: Any = None, no_dist: bool = False) -> None:
     """Fill `state_dict` in place from the checkpoint in directory `checkpoint_id`.
 
     DTensors keep their mesh and placements and receive their part of the saved global
@@ -44,9 +51,13 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
     back to its `load_state_dict()`. A top-level optimizer that has never stepped gets its
     state first (one step at learning rate 0 with zero gradients, parameters unchanged).
 
-    Each rank reads the data files directly and talks to no other rank, so the checkpoint
-    must be on a filesystem every loading rank can read (as `torch.distributed.checkpoint`'s
-    FileSystemReader assumes), and a rank may load while others do not.
+    Each rank reads the data files directly, so the checkpoint must be on a filesystem every
+    loading rank can read (as `torch.distributed.checkpoint`'s FileSystemReader assumes).
+    When a process group is initialised, every rank of `process_group` (default: the world)
+    calls `load` and the ranks agree, after checking and before changing anything, that
+    every one of them can load: if any cannot, all raise (that rank its error, the others a
+    RuntimeError naming it) and no rank changes anything. `no_dist=True` loads on this rank
+    alone, talking to no other, as without a process group.
 
     Global shapes and dtypes must match the saved ones. A state dict may ask for part of a
     checkpoint by its top-level keys, as with `torch.distributed.checkpoint.load`: `{"model":
@@ -55,28 +66,54 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
     each top-level key it asks for, every saved path must be in it (a renamed or dropped
     parameter is then an error, not a silent skip); `strict=False` loads the paths both have
     and leaves the others. All mismatches are reported in one ValueError, before anything is
-    changed.
+    changed. A damaged checkpoint (a changed table, a truncated or altered data file, a
+    missing one) is a ValueError naming what is wrong, and changes nothing.
     """
     directory = checkpoint_dir(checkpoint_id)
-    table = read_metadata(directory)
-    for value in state_dict.values():
-        if isinstance(value, torch.optim.Optimizer):
-            _make_state(value)
-    stateful = {key for key, value in state_dict.items() if is_stateful(value)}
-    tree = {key: state_dict[key].state_dict() if key in stateful else value for key, value in state_dict.items()}
-    targets = dict(leaves(tree))
-    problems = _mismatches(targets, table, strict)
-    if problems:
-        raise ValueError(f"cannot load the checkpoint {str(directory)!r} into this state dict; nothing was loaded:\n"
-                         + "\n".join(problems))
-    reader = _Reader(directory)
+    group, size = _load_group(process_group, no_dist)
+    made: list[torch.optim.Optimizer] = []
+    error: Optional[Exception] = None
+    tree: dict[str, Any] = {}
+    stateful: set[str] = set()
+    plans: dict[Path, _Plan] = {}
+    try:
+        table = read_metadata(directory)
+        for value in state_dict.values():
+            if isinstance(value, torch.optim.Optimizer) and not value.state:
+                made.append(value)
+                _make_state(value)
+        stateful = {key for key, value in state_dict.items() if is_stateful(value)}
+        tree = {key: state_dict[key].state_dict() if key in stateful else value for key, value in state_dict.items()}
+        targets = dict(leaves(tree))
+        problems = _mismatches(targets, table.entries, strict)
+        if problems:
+            raise ValueError(f"cannot load the checkpoint {str(directory)!r} into this state dict; nothing was "
+                             f"loaded:\n" + "\n".join(problems))
+        plans = _plans(targets, table, _Reader(directory, table))
+    except Exception as exc:
+        error = exc
+    try:
+        agree(f"load from {str(directory)!r}", "checking the checkpoint and the state dict", error, group, size,
+              "nothing was loaded, on any rank")
+    except BaseException:
+        for optimizer in made:  # back to never having stepped, as it was
+            optimizer.state.clear()
+        raise
     with torch.no_grad():
-        put_back(tree, lambda path, leaf: _loaded(leaf, table.get(path), reader))
+        tree = put_back(tree, lambda path, leaf: plans[path].apply(leaf) if path in plans else leaf)
     for key, value in tree.items():
         if key in stateful:
             state_dict[key].load_state_dict(value)
         else:
             state_dict[key] = value
+
+
+def _load_group(process_group: Any, no_dist: bool) -> tuple[Any, int]:
+    """The process group whose ranks load together (None: this rank alone) and its size."""
+    if no_dist or not (dist.is_available() and dist.is_initialized()):
+        return None, 1
+    group = dist.group.WORLD if process_group is None else process_group
+    return group, dist.get_world_size(group)
 
 
 def _make_state(optimizer: torch.optim.Optimizer) -> None:
@@ -145,17 +182,41 @@ def _mismatches(targets: dict[Path, Any], table: dict[Path, Entry], strict: bool
 
 
 class _Reader:
-    """Data files, each read (mapped) at most once per load, and only when a piece is needed."""
+    """Data files, each opened (mapped) at most once per load, and only when a piece is
+    needed; each piece checked against the table before it is used."""
 
-    def __init__(self, directory: FilePath) -> None:
-        self.directory = directory
+    def __init__(self, directory: FilePath, table: Table) -> None:
+        self.directory, self.sizes = directory, table.file_sizes
         self.files: dict[str, list[Any]] = {}
 
-    def value(self, piece: Piece) -> Any:
-        values = self.files.get(piece.file)
+    def _values(self, name: str) -> list[Any]:
+        values = self.files.get(name)
         if values is None:
-            values = self.files[piece.file] = read_data(self.directory / piece.file)[1]
-        return values[piece.index]
+            path = self.directory / name
+            if self.sizes is not None and path.is_file() and path.stat().st_size != self.sizes[name]:
+                raise ValueError(f"checkpoint data file {str(path)!r} has {path.stat().st_size} bytes, the table "
+                                 f"records {self.sizes[name]}: it was truncated or replaced after saving")
+            values = self.files[name] = read_data(path)[1]
+        return values
+
+    def value(self, piece: Piece, entry: Entry) -> Any:
+        """The saved value of `piece` of `entry`, checked: ValueError if it is not what the table says."""
+        values = self._values(piece.file)
+        where = f"'{show(entry.path)}': piece {piece.index} of {str(self.directory / piece.file)!r}"
+        if piece.index >= len(values):
+            raise ValueError(f"{where} does not exist (the file holds {len(values)}): the checkpoint was damaged")
+        value = values[piece.index]
+        if entry.kind == "tensor":
+            want = tuple(n for _, n in piece.box)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != want or dtype_name(value.dtype) != entry.dtype:
+                got = (f"a tensor of shape {tuple(value.shape)} and dtype {dtype_name(value.dtype)}"
+                       if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
+                raise ValueError(f"{where} is {got}, the table says a tensor of shape {want} and dtype "
+                                 f"{entry.dtype}: the checkpoint was damaged")
+        if piece.sha256 is not None and digest(value) != piece.sha256:
+            raise ValueError(f"{where} does not match its SHA-256 checksum: the data file was altered or damaged "
+                             f"after saving; load an earlier checkpoint")
+        return value
 
 
 def _region(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
@@ -165,34 +226,59 @@ def _region(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
     return t
 
 
-def _copy_into(target: torch.Tensor, box: Box, entry: Entry, reader: _Reader) -> None:
-    """Copy into `target` (holding the global `box`) every overlapping saved piece."""
+class _Plan:
+    """What loading one leaf does, decided (and its saved pieces read and checked) before
+    anything changes: copies of saved regions into regions of the target, or a zeroing, or
+    a plain value that replaces the leaf."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (region of the target, saved region)
+        self.zero: Optional[torch.Tensor] = None
+        self.replace = False
+        self.value: Any = None
+
+    def apply(self, leaf: Any) -> Any:
+        if self.replace:
+            return self.value
+        if self.zero is not None:
+            self.zero.zero_()
+        for into, saved in self.copies:
+            into.copy_(saved)
+        return leaf
+
+
+def _plan_copies(plan: _Plan, target: torch.Tensor, box: Box, entry: Entry, reader: _Reader) -> None:
+    """Plan copies into `target` (holding the global `box`) of every overlapping saved piece."""
     for piece in entry.pieces:
         common = overlap(piece.box, box)
         if common is not None:
-            _region(target, common, box).copy_(_region(reader.value(piece), common, piece.box))
+            saved = _region(reader.value(piece, entry), common, piece.box)
+            plan.copies.append((_region(target, common, box), saved))
 
 
-def _loaded(leaf: Any, entry: Optional[Entry], reader: _Reader) -> Any:
-    """The leaf after loading: the same tensor, filled, or the saved plain value."""
-    if entry is None:
-        return leaf
+def _plan(leaf: Any, entry: Entry, reader: _Reader) -> _Plan:
+    plan = _Plan()
     if isinstance(leaf, DTensor):
         mesh = leaf.device_mesh
         coordinate = mesh.get_coordinate()
         if coordinate is None:
-            return leaf
+            return plan
         local = leaf.to_local()
         spec = leaf._spec
         if any(isinstance(p, Partial) and p.reduce_op == "sum" and c for p, c in zip(spec.placements, coordinate)):
-            local.zero_()  # a sum's other terms: the value lives on coordinate 0 of each Partial(sum) mesh dim
-            return leaf
+            plan.zero = local  # a sum's other terms: the value lives on coordinate 0 of each Partial(sum) mesh dim
+            return plan
         found = spec.split_orders()
         orders = tuple(found.get(d, ()) for d in range(spec.ndim))
         for box, at in piece_boxes(spec.shape, mesh.shape, spec.placements, orders, coordinate):
-            _copy_into(_region(local, at, tuple((0, s) for s in local.shape)), box, entry, reader)
-        return leaf
-    if isinstance(leaf, torch.Tensor):
-        _copy_into(leaf, tuple((0, s) for s in leaf.shape), entry, reader)
-        return leaf
-    return reader.value(entry.pieces[0])
+            _plan_copies(plan, _region(local, at, tuple((0, s) for s in local.shape)), box, entry, reader)
+    elif isinstance(leaf, torch.Tensor):
+        _plan_copies(plan, leaf, tuple((0, s) for s in leaf.shape), entry, reader)
+    else:
+        plan.replace, plan.value = True, reader.value(entry.pieces[0], entry)
+    return plan
+
+
+def _plans(targets: dict[Path, Any], table: Table, reader: _Reader) -> dict[Path, _Plan]:
+    """Every leaf's plan, by path (the leaves the checkpoint does not hold have none)."""
+    return {path: _plan(leaf, table.entries[path], reader) for path, leaf in targets.items() if path in table.entries}

@@ -43,8 +43,9 @@ from .._comm import all_gather_ints
 from .._placement import Replicate, _StridedShard
 from .._redistribute._exchange import Box, piece_boxes
 from .._tensor import DTensor
+from ._agree import agree
 from ._files import checkpoint_dir, read_data, write_atomically
-from ._metadata import Entry, Piece, data_file, dtype_name, write_metadata
+from ._metadata import Entry, Piece, data_file, digest, dtype_name, write_metadata
 from ._paths import Path, is_stateful, leaves, show
 
 __all__ = ["save"]
@@ -96,18 +97,21 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
 
     with torch.no_grad():
         items = [(path, _reduced(leaf) if isinstance(leaf, DTensor) else leaf) for path, leaf in items]
+    size = 0
     try:
         name = data_file(rank, generation)
         entries, values = _pieces(items, rank, name, taken)
         payload = {"entries": [e.to_json() for e in entries], "values": values}
         write_atomically(directory / name, lambda f: torch.save(payload, f))
+        size = (directory / name).stat().st_size
     except Exception as exc:
         error = exc
-    _agree("writing the data files", error, directory, world)
+    sizes = _agree("writing the data files", error, directory, world, size)
 
     if rank == 0:
         try:
-            write_metadata(directory, _merge(directory, world, generation), world)  # the atomic switch
+            files = {data_file(r, generation): n for r, n in enumerate(sizes)}
+            write_metadata(directory, _merge(directory, world, generation), world, files)  # the atomic switch
             _sync_directory(directory)
         except Exception as exc:
             error = exc
@@ -158,27 +162,11 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def _agree(step: str, error: Optional[Exception], directory: FilePath, world: int, count: int = 0) -> list[int]:
-    """Raise on every rank if `step` failed on any rank (this rank's `error`, or a RuntimeError);
-    else every rank's `count`, by rank."""
-    rows = [[0 if error is None else 1, count]]
-    if world > 1:
-        try:
-            rows = all_gather_ints(rows[0], dist.group.WORLD, world)
-        except Exception as exc:
-            raise RuntimeError(
-                f"save to {str(directory)!r}: the ranks did not all reach the end of {step} ({exc}); every rank "
-                f"of the world must call save, with the same checkpoint_id"
-            ) from (error or exc)
-    failed = [r for r, (flag, _) in enumerate(rows) if flag]
-    if not failed:
-        return [n for _, n in rows]
-    ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
-    why = (f"save to {str(directory)!r} failed on {ranks} while {step}: no new metadata.json was written, so the "
-           f"directory still loads the checkpoint it held before (if any)")
-    if error is not None:
-        error.add_note(why)
-        raise error
-    raise RuntimeError(f"{why}; the error of {ranks} says why")
+    """Every rank's `count` once `step` succeeded on every rank; else raise on every rank."""
+    group = dist.group.WORLD if world > 1 else None
+    return agree(f"save to {str(directory)!r}", step, error, group, world,
+                 "no new metadata.json was written, so the directory still loads the checkpoint it held before "
+                 "(if any)", count)
 
 
 def _fingerprint(path: Path, box: Box) -> int:
@@ -282,7 +270,7 @@ def _pieces(items: list[tuple[Path, Any]], rank: int, name: str, taken: set[int]
 
     def piece(value: Any, box: Box) -> tuple[Piece, ...]:
         values.append(value)
-        return (Piece(name, len(values) - 1, box),)
+        return (Piece(name, len(values) - 1, box, digest(value)),)
 
     for path, leaf in items:
         if isinstance(leaf, DTensor):
