@@ -19,6 +19,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "shardwise"
 PUBLIC = [
     "AbstractMesh",
     "COST_MODEL",
+    "CollectiveError",
     "CommRecord",
     "DTensor",
     "DTensorSpec",

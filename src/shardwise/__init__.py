@@ -7,7 +7,7 @@ Public names mirror `torch.distributed.tensor`, so switching is an import change
 ['S(0)', 'R', 'P(sum)']
 """
 
-from ._comm import CommRecord, comm_log
+from ._comm import CollectiveError, CommRecord, comm_log
 from ._explain import explain_redistribute, plan_for
 from ._mesh import AbstractMesh, DeviceMesh, current_mesh, get_current_mesh, init_device_mesh
 from ._placement import Partial, Placement, Replicate, Shard
@@ -36,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AbstractMesh",
     "COST_MODEL",
+    "CollectiveError",
     "CommRecord",
     "DTensor",
     "DTensorSpec",

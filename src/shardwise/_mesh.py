@@ -237,6 +237,9 @@ class DeviceMesh(AbstractMesh):
         self._slice_ranks = tuple(self._ranks_along(i) for i in range(self.ndim))
         self._whole = self._whole_group(ranks, create=whole)
         _LIVE.setdefault(self._key(), self)
+        from ._comm._fault import note_process
+
+        note_process()  # so that peers can tell this process died, should it (once per process)
 
     def _whole_group(self, ranks: list[int], create: bool) -> Optional[tuple[Any, tuple[int, ...]]]:
         """The group over every rank of a mesh of 2+ dims (for a redistribute's exchange step)
@@ -434,12 +437,16 @@ def _destroy_default_group() -> None:
     the others' feet, and one in six runs of a 2-process script aborted after it had finished
     ("terminate called without an active exception"). A process failing with an uncaught
     exception skips the barrier (its peers may be blocked in a collective that now fails
-    fast because this process leaves) and only shuts its group down.
+    fast because this process leaves) and only shuts its group down; so does a process in
+    which a collective failed (a `CollectiveError`, even one it caught): a peer is gone or
+    stuck, and the barrier would only wait out a second timeout.
     """
     if not dist.is_initialized():
         return
+    from ._comm._fault import FAILED
+
     try:
-        if _CLEAN_EXIT[0]:
+        if _CLEAN_EXIT[0] and not FAILED[0]:  # after a failed collective, the barrier would only time out
             dist.barrier()
     finally:
         dist.destroy_process_group()

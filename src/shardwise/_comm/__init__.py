@@ -33,6 +33,7 @@ from ._door import (
     start,
     suspended,
 )
+from ._fault import CollectiveError, checking
 from ._metadata import all_gather_ints, broadcast, gather_over_mesh
 from ._p2p import P2PError, P2PRecord, P2PWork, irecv, isend, recv, send
 
@@ -45,6 +46,7 @@ __all__ = [
     "Box",
     "Broadcast",
     "Collective",
+    "CollectiveError",
     "CommRecord",
     "Interceptor",
     "P2PError",
@@ -56,6 +58,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_coalesced",
     "broadcast",
+    "checking",
     "comm_log",
     "gather_over_mesh",
     "has_pending",

@@ -23,6 +23,7 @@ import torch
 
 from ._collectives import AllReduce
 from ._door import run
+from ._fault import CollectiveError
 
 __all__ = ["BUCKET_BYTES", "all_reduce", "all_reduce_coalesced", "plan_buckets"]
 
@@ -77,7 +78,8 @@ def all_reduce_coalesced(
         ref = value if value is not None else t
         items.append((ref.numel() * ref.element_size(), (ref.dtype, ref.device)))
     out: list[Optional[torch.Tensor]] = [None] * len(values)
-    for bucket in plan_buckets(items, bucket_bytes):
+    buckets = plan_buckets(items, bucket_bytes)
+    for number, bucket in enumerate(buckets):
         first = like[bucket[0]]
         assert first is not None
         parts = []
@@ -90,7 +92,11 @@ def all_reduce_coalesced(
             parts.append(torch.tensor(present, dtype=first.dtype, device=first.device))
         flat = torch.cat(parts)  # (sum of numels [+ one flag per value],)
         if size > 1:
-            flat = all_reduce(flat, group, size, op, mesh_dims)
+            try:
+                flat = all_reduce(flat, group, size, op, mesh_dims)
+            except CollectiveError as exc:
+                raise exc.add_operation(f"bucket {number} of {len(buckets)} ({len(bucket)} tensors, "
+                                        f"{flat.numel() * flat.element_size()} B)")
         used = flat[-len(bucket):].tolist() if flags else [1.0] * len(bucket)
         offset = 0
         for k, flag in zip(bucket, used):

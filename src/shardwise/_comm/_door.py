@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
+import os
 from collections.abc import Iterator
+from datetime import timedelta
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from .._mesh import collective_timeout
 from ._async import has_pending, wait_pending
-from ._collectives import Collective, Finish
+from ._collectives import AllGather, AllReduce, Broadcast, Collective, Finish, ReduceScatter
+from ._fault import CollectiveError, checking, diagnose, group_ranks, next_number, note_process, verify_agreement
 
 __all__ = [
     "CommRecord",
@@ -124,25 +129,85 @@ def run(collective: Collective, local: torch.Tensor, *, traceable: bool = True) 
         record = _record(collective)
         for hook in hooks:
             hook.observe(record)
-    return collective.issue(local, False)[1]()
+    number = _number(collective)
+    try:
+        if local.device.type != "cpu":  # NCCL: a timed wait would block the CPU until the GPU is done
+            return collective.issue(local, False)[1]()
+        work, finish = collective.issue(local, True)
+        work.wait(_timeout())  # at most SHARDWISE_COLLECTIVE_TIMEOUT as it is now, whatever the group's own
+        return finish()
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        raise diagnose([str(collective)], group_ranks(collective.group), number, exc) from exc
+
+
+def _number(collective: Collective) -> int:
+    """Count the collective on its group (and, under SHARDWISE_CHECK, check the ranks agree on it)."""
+    if not _NOTED[0]:
+        _NOTED[0] = True
+        note_process()
+    number = next_number(collective.group)
+    if checking():
+        verify_agreement([str(collective)], collective.group, collective.size, number, _signature(collective),
+                         _timeout())
+    return number
+
+
+_NOTED = [False]
+_TIMEOUT: list[Any] = [None, None]  # (the env value read, the timedelta)
+
+
+def _timeout() -> timedelta:
+    raw = os.environ.get("SHARDWISE_COLLECTIVE_TIMEOUT")
+    if raw != _TIMEOUT[0] or _TIMEOUT[1] is None:
+        _TIMEOUT[0], _TIMEOUT[1] = raw, collective_timeout()
+    return _TIMEOUT[1]  # type: ignore[no-any-return]
+_KIND_CODES = {"all_gather": 1, "all_to_all": 2, "all_reduce": 3, "reduce_scatter": 4, "broadcast": 5}
+
+
+def _signature(c: Collective) -> list[int]:
+    """What every rank of a collective must agree on, as two ints: its kind, and a digest of
+    the sizes and dtype all ranks share (a rank's own piece may legitimately differ)."""
+    agreed: tuple[Any, ...] = ()
+    if isinstance(c, AllGather):
+        agreed = (c.pieces, c.shape[: c.tensor_dim] + c.shape[c.tensor_dim + 1 :])
+    elif isinstance(c, ReduceScatter):
+        agreed = (c.pieces, c.shape, c.op)
+    elif isinstance(c, AllReduce):
+        agreed = (c.shape, c.op)
+    elif isinstance(c, Broadcast):
+        agreed = (c.shape, c.src)
+    digest = hashlib.blake2b(repr((agreed, str(c.dtype))).encode(), digest_size=7).digest()
+    return [_KIND_CODES.get(c.kind, 0), int.from_bytes(digest, "big")]
 
 
 class Started:
     """A collective issued asynchronously: `result()` waits for it and builds the result
     (once); `done()` says whether waiting would return at once."""
 
-    __slots__ = ("_work", "_finish", "_value")
+    __slots__ = ("_work", "_finish", "_value", "_collective", "_number", "_timed")
 
-    def __init__(self, work: object, finish: Optional[Finish], value: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, work: object, finish: Optional[Finish], value: Optional[torch.Tensor] = None,
+                 collective: Optional[Collective] = None, number: int = 0, timed: bool = False) -> None:
         self._work, self._finish = work, finish
         self._value = value
+        self._collective, self._number, self._timed = collective, number, timed
 
     def done(self) -> bool:
         return self._value is not None or bool(self._work.is_completed())  # type: ignore[attr-defined]
 
     def result(self) -> torch.Tensor:
         if self._value is None:
-            self._work.wait()  # type: ignore[attr-defined]
+            try:
+                if self._collective is not None and self._collective.group is not None and self._timed:
+                    self._work.wait(_timeout())  # type: ignore[attr-defined]
+                else:
+                    self._work.wait()  # type: ignore[attr-defined]
+            except RuntimeError as exc:
+                assert self._collective is not None
+                raise diagnose([str(self._collective)], group_ranks(self._collective.group), self._number,
+                               exc) from exc
             assert self._finish is not None
             self._value = self._finish()
         return self._value
@@ -160,8 +225,12 @@ def start(collective: Collective, local: torch.Tensor) -> Started:
         record = _record(collective)
         for hook in hooks:
             hook.observe(record)
-    work, finish = collective.issue(local, True)
-    return Started(work, finish)
+    number = _number(collective)
+    try:
+        work, finish = collective.issue(local, True)
+    except RuntimeError as exc:
+        raise diagnose([str(collective)], group_ranks(collective.group), number, exc) from exc
+    return Started(work, finish, None, collective, number, local.device.type == "cpu")
 
 
 class _Log(Interceptor):

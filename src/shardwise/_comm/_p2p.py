@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .._mesh import collective_timeout
 from ._async import has_pending, wait_pending
 from ._door import CommRecord, notify
+from ._fault import CollectiveError, diagnose, group_ranks
 
 __all__ = ["P2PRecord", "P2PError", "P2PWork", "isend", "irecv", "send", "recv"]
 
@@ -35,22 +36,20 @@ class P2PRecord(CommRecord):
     bytes_sent: int
 
 
-class P2PError(RuntimeError):
+class P2PError(CollectiveError):
     """A point-to-point send or receive that did not complete (timed out, or the peer died);
     `reason` is the message without the operation's description."""
-
-    def __init__(self, message: str, reason: str = "") -> None:
-        super().__init__(message)
-        self.reason = reason or message
 
 
 class P2PWork:
     """A posted send or receive; `wait()` blocks until it completes or raises `P2PError`."""
 
-    def __init__(self, work: Any, op: str, peer: int, tag: int, label: str, tensor: torch.Tensor) -> None:
+    def __init__(self, work: Any, op: str, peer: int, tag: int, label: str, tensor: torch.Tensor,
+                 group: Any = None) -> None:
         self._work = work
         self.op, self.peer, self.tag, self.label = op, peer, tag, label
         self.tensor = tensor  # the buffer; kept alive until the work completes
+        self.group = group
 
     def wait(self, timeout: Optional[float] = None) -> torch.Tensor:
         """Wait at most `timeout` seconds (default `collective_timeout()`); return the buffer."""
@@ -58,25 +57,23 @@ class P2PWork:
         try:
             self._work.wait(timedelta(seconds=seconds))
         except RuntimeError as exc:
-            raise P2PError(*self._explain(str(exc), seconds)) from exc
+            raise self.error(exc) from exc
         return self.tensor
 
     def is_completed(self) -> bool:
         return bool(self._work.is_completed())
 
-    def _explain(self, cause: str, seconds: float) -> tuple[str, str]:
-        """(message, reason) for a failure whose backend error says `cause`."""
+    def error(self, exc: BaseException) -> P2PError:
+        """The error for a failure whose backend error is `exc`: the peer named, and which ranks
+        of the group died, stalled or failed alongside (see `_fault`)."""
         direction = "from" if self.op == "recv" else "to"
         what = f"{self.op} of {self.label} {direction} rank {self.peer} (tag {self.tag})"
-        if "timed out" in cause.lower():
-            reason = (f"nothing came within {seconds:g} s (SHARDWISE_COLLECTIVE_TIMEOUT): rank {self.peer} is stuck, "
-                      f"waiting for something else, or never posted the matching {'send' if self.op == 'recv' else 'recv'}")
-            return f"{what} did not complete: {reason}", reason
-        if "closed" in cause.lower() or "reset" in cause.lower():
-            reason = f"the connection to rank {self.peer} closed, so its process has probably died ({cause.strip()})"
-        else:
-            reason = cause.strip()
-        return f"{what} failed: {reason}", reason
+        ranks = group_ranks(self.group) if self.group is not None else ()
+        if not ranks:
+            ranks = tuple(sorted({dist.get_rank(), self.peer}))
+        found = diagnose([what], ranks, None, exc, kind=P2PError)
+        assert isinstance(found, P2PError)
+        return found
 
 
 def _check_peer(op: str, peer: int, tensor: torch.Tensor) -> None:
@@ -97,10 +94,10 @@ def isend(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0, label: st
     try:
         work = dist.isend(buf, dst, group=group, tag=tag)
     except RuntimeError as exc:
-        raise P2PError(*P2PWork(None, "send", dst, tag, label, buf)._explain(str(exc), 0.0)) from exc
+        raise P2PWork(None, "send", dst, tag, label, buf, group).error(exc) from exc
     nbytes = buf.numel() * buf.element_size()
     notify(P2PRecord("send", 2, 0, dst, tag, label, nbytes))
-    return P2PWork(work, "send", dst, tag, label, buf)
+    return P2PWork(work, "send", dst, tag, label, buf, group)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0, label: str = "a tensor") -> P2PWork:
@@ -111,9 +108,9 @@ def irecv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0, label: st
     try:
         work = dist.irecv(tensor, src, group=group, tag=tag)
     except RuntimeError as exc:
-        raise P2PError(*P2PWork(None, "recv", src, tag, label, tensor)._explain(str(exc), 0.0)) from exc
+        raise P2PWork(None, "recv", src, tag, label, tensor, group).error(exc) from exc
     notify(P2PRecord("recv", 2, tensor.numel() * tensor.element_size(), src, tag, label, 0))
-    return P2PWork(work, "recv", src, tag, label, tensor)
+    return P2PWork(work, "recv", src, tag, label, tensor, group)
 
 
 def send(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0, label: str = "a tensor",

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch._decomp import decomposition_table
 
+from .. import _comm as comm
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh
 from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, ScalarTensor, propagate, rule_for
@@ -166,6 +167,9 @@ def _add_context(exc: BaseException, func: Any, args: tuple[Any, ...], kwargs: d
         return
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     inputs = [_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kwargs.items()]
+    if isinstance(exc, comm.CollectiveError):  # the op leads the message: what the user called
+        exc.add_operation(f"{func} on inputs {', '.join(inputs)}")
+        return
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(f"shardwise: raised by {func} on rank {rank}, inputs {', '.join(inputs)}")

@@ -202,7 +202,10 @@ class DTensor(DTensorBase, role="plain"):
 
     def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """The whole global tensor on every rank (differentiable)."""
-        replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+        try:
+            replicated = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+        except comm.CollectiveError as exc:
+            raise exc.add_operation(f"full_tensor of a {list(self.shape)} DTensor")
         return replicated.to_local(grad_placements=grad_placements)
 
 

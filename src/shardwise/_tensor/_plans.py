@@ -32,7 +32,7 @@ from .._ops import LocalCall, LocalFn
 from .._placement import Replicate
 from .._redistribute import run_program
 from .._spec import DTensorSpec, TensorMeta
-from ._redistribute import Move
+from ._redistribute import Move, run_move
 from ._runtime import RUNTIME
 from ._wrap import DTENSOR_CLASSES, DTensorBase, Wrapper, rewrap, wrap
 
@@ -73,7 +73,7 @@ def _piece(a: Any, move: Optional[Move]) -> torch.Tensor:
     """This rank's piece of argument `a` (a DTensor, or a plain tensor counted as replicated),
     moved by `move` when it must be."""
     local = a._local_tensor if a.__class__ in DTENSOR_CLASSES or isinstance(a, DTensorBase) else a
-    return local if move is None else run_program(move.program, local)
+    return local if move is None else run_move(move, local)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from .._redistribute import LocalStep, Program, RedistributePlan, build_program,
 from .._redistribute._specs import StridedStep, plan_parts
 from .._spec import DTensorSpec
 
-__all__ = ["Move", "move_between", "redistribute_local", "start_redistribute"]
+__all__ = ["Move", "describe_move", "move_between", "redistribute_local", "run_move", "start_redistribute"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,22 @@ def move_between(src: DTensorSpec, dst: DTensorSpec) -> Move:
     return found
 
 
+def describe_move(src: DTensorSpec, dst: DTensorSpec) -> str:
+    """'redistribute (S(0), R) -> (R, R) of a [8, 6] tensor on mesh (2, 2) ('dp', 'tp')', for errors."""
+    mesh = src.mesh
+    names = f" {tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
+    return (f"redistribute {src.layout_str()} -> {dst.layout_str()} of a {list(src.shape)} tensor on mesh "
+            f"{tuple(mesh.shape)}{names}")
+
+
+def run_move(move: Move, local: torch.Tensor) -> torch.Tensor:
+    """Run `move`'s program on `local`; a failed collective names the move."""
+    try:
+        return run_program(move.program, local)
+    except comm.CollectiveError as exc:
+        raise exc.add_operation(describe_move(move.src, move.dst))
+
+
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
     """This rank's piece of the same global tensor in layout `dst` (same mesh)."""
     if src.placements == dst.placements and src.shard_order == dst.shard_order:
@@ -71,7 +87,7 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
     found = _MOVES.get((src, dst))
     if found is None:
         found = move_between(src, dst)
-    return run_program(found.program, local)
+    return run_move(found, local)
 
 
 def start_redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Optional[comm.Started]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .._comm import all_gather_ints
+from .._comm import CollectiveError, all_gather_ints
 
 __all__ = ["agree"]
 
@@ -24,6 +24,10 @@ def agree(action: str, step: str, error: Optional[Exception], group: Any, size: 
     if group is not None and size > 1:
         try:
             rows = all_gather_ints(rows[0], group, size)
+        except CollectiveError as exc:
+            exc.add_operation(f"{action}: agreeing that every rank finished {step}")
+            exc.add_note(outcome)
+            raise
         except Exception as exc:
             raise RuntimeError(
                 f"{action}: the ranks did not all reach the end of {step} ({exc}); every rank of the process group "

@@ -132,8 +132,12 @@ class _Reducer:
             values = [self._unreduced(p, g) for p, g in zip(self.params, grads)]
             self.beside.clear()
             templates = [p.param._local_tensor for p in self.params]
-            averaged = comm.all_reduce_coalesced(values, self.group, self.size, "avg", templates=templates,
-                                                 bucket_bytes=self.bucket_bytes)
+            try:
+                averaged = comm.all_reduce_coalesced(values, self.group, self.size, "avg", templates=templates,
+                                                     bucket_bytes=self.bucket_bytes)
+            except comm.CollectiveError as exc:
+                raise exc.add_operation(f"data parallel: averaging the gradients of {len(self.params)} parameters "
+                                        f"over {self.size} ranks at the end of backward")
             for p, g, piece in zip(self.params, grads, averaged):
                 if piece is None:
                     continue

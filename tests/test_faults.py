@@ -1,0 +1,212 @@
+"""Faults on 4 ranks: every survivor raises, in time, an error naming the operation and the faulty rank.
+
+Six operations (full_tensor, a redistribute on a (2, 2) mesh, a matmul that moves an
+input, a checkpoint save, a pipeline step, a data-parallel backward), each run on 4 fresh
+processes while rank 2 misbehaves:
+
+| fault | rank 2 | the others must raise |
+|---|---|---|
+| skip | does not call the operation (stalls) | within the timeout + 5 s, naming rank 2 as not arrived |
+| kill | dies (`os._exit`) as the operation starts | within the timeout + 5 s, naming rank 2 as dead |
+| disagree | calls it with other sizes (under `SHARDWISE_CHECK=1`) | at once, naming both sides and rank 2 |
+
+Every process is forked from a server that has imported torch and shardwise already, so a
+case costs its fault's wait, not four interpreters starting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwise as sw
+from shardwise import CollectiveError, Partial, Replicate, Shard, checkpoint
+from shardwise.parallel import data_parallel
+from shardwise.pipeline._runtime import DistributedPipe
+
+TIMEOUT = 2.0  # SHARDWISE_COLLECTIVE_TIMEOUT in the cases
+VICTIM = 2
+WORLD = 4
+
+
+# -- the operations: each sets up (collectives that succeed), then returns the call to fault -----
+
+def _full_tensor(fault: str, tmp: str) -> Callable[[], Any]:
+    mesh = sw.init_device_mesh("cpu", (WORLD,))
+    rows = 3 if fault == "disagree" and dist.get_rank() == VICTIM else 2
+    t = sw.DTensor.from_local(torch.ones(rows, 3), mesh, [Shard(0)], run_check=False)
+    return t.full_tensor
+
+
+def _redistribute_2d(fault: str, tmp: str) -> Callable[[], Any]:
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    cols = 5 if fault == "disagree" and dist.get_rank() == VICTIM else 3
+    t = sw.DTensor.from_local(torch.ones(2, cols), mesh, [Shard(0), Shard(1)], run_check=False)
+    return lambda: t.redistribute(mesh, [Replicate(), Shard(0)])
+
+
+def _matmul_move(fault: str, tmp: str) -> Callable[[], Any]:
+    mesh = sw.init_device_mesh("cpu", (WORLD,))
+    cols = 3 if fault == "disagree" and dist.get_rank() == VICTIM else 2
+    x = sw.DTensor.from_local(torch.ones(2, 8), mesh, [Shard(0)], run_check=False)
+    w = sw.DTensor.from_local(torch.ones(2, cols), mesh, [Shard(0)], run_check=False)  # must be gathered
+    return lambda: torch.mm(x, w)
+
+
+def _checkpoint_save(fault: str, tmp: str) -> Callable[[], Any]:
+    mesh = sw.init_device_mesh("cpu", (WORLD,))
+    state: dict[str, Any] = {"w": sw.distribute_tensor(torch.ones(8, 3), mesh, [Shard(0)])}
+    if fault == "disagree" and dist.get_rank() == VICTIM:  # a Partial to reduce: a collective the others skip
+        state["p"] = sw.DTensor.from_local(torch.ones(2), mesh, [Partial()], run_check=False)
+    return lambda: checkpoint.save(state, checkpoint_id=tmp)
+
+
+def _pipeline_step(fault: str, tmp: str) -> Callable[[], Any]:
+    mesh = sw.init_device_mesh("cpu", (WORLD,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(WORLD)])
+    chunks = 2 if fault == "disagree" and dist.get_rank() == VICTIM else 4
+    pipe = DistributedPipe(model, [1] * WORLD, mesh, schedule="1f1b", chunks=chunks, checkpoint="never",
+                           loss_fn=lambda y, t: ((y - t) ** 2).mean())
+    x, y = torch.ones(8, 4), torch.zeros(8, 4)
+    return lambda: pipe.step(x, y)
+
+
+def _dp_backward(fault: str, tmp: str) -> Callable[[], Any]:
+    mesh = sw.init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    cap = 1e-4 if fault == "disagree" and dist.get_rank() == VICTIM else 25.0  # other buckets: 104 B, not 172 B
+    model = data_parallel(nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3)), mesh, bucket_cap_mb=cap)
+    loss = model(torch.ones(2, 4)).sum()
+    return loss.backward
+
+
+OPERATIONS: dict[str, tuple[Callable[[str, str], Callable[[], Any]], str]] = {
+    # name: (setup, what the error must name)
+    "full_tensor": (_full_tensor, r"full_tensor of a \[8, 3\] DTensor > redistribute \(S\(0\)\) -> \(R\)"),
+    "redistribute 2-D": (_redistribute_2d, r"redistribute \(S\(0\), S\(1\)\) -> \(R, S\(0\)\) of a \[4, 6\] tensor "
+                                           r"on mesh \(2, 2\) \('dp', 'tp'\)"),
+    "matmul input move": (_matmul_move, r"aten\.mm\.default on inputs .* > redistribute \(S\(0\)\) -> \(R\)"),
+    "checkpoint save": (_checkpoint_save, r"save to '.*': agreeing that every rank finished"),
+    "pipeline step": (_pipeline_step, r"stage \d on rank \d stopped in the (forward|backward) of micro-batch"),
+    "data parallel backward": (_dp_backward, r"data parallel: averaging the gradients of 4 parameters over 4 ranks "
+                                             r"at the end of backward > bucket 0 of 1"),
+}
+
+
+def _case(operation: str, fault: str, tmp: str) -> tuple[str, str, float]:
+    """One rank's part: set up, then fault (rank 2) or run the operation; (error type, message, seconds)."""
+    os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = str(TIMEOUT)
+    if fault == "disagree":
+        os.environ["SHARDWISE_CHECK"] = "1"
+    setup, _ = OPERATIONS[operation]
+    act = setup(fault, tmp)
+    dist.barrier()  # everyone set up: the clock starts together
+    start = time.monotonic()
+    if dist.get_rank() == VICTIM and fault == "kill":
+        os._exit(17)
+    if dist.get_rank() == VICTIM and fault == "skip":
+        time.sleep(TIMEOUT + 8)  # alive, stalled: never calls it
+        return ("skipped", "", 0.0)
+    try:
+        act()
+    except Exception as exc:
+        notes = "".join(f"\n{n}" for n in getattr(exc, "__notes__", []))
+        return (type(exc).__name__, f"{exc}{notes}", time.monotonic() - start)
+    return ("returned", "", time.monotonic() - start)
+
+
+def _rank_main(rank: int, port: int, conn: Any, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=20)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
+    try:
+        conn.send(_case(*args))
+    except BaseException as exc:
+        conn.send((f"setup failed: {type(exc).__name__}", str(exc), 0.0))
+    conn.close()
+    time.sleep(3)  # a failing program does not vanish at once: peers still diagnosing see it alive
+    os._exit(0)  # no teardown: the groups hold collectives that will never complete
+
+
+def _run_case(*args: Any, deadline: float = 40.0) -> list[Any]:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "shardwise", "tests.test_faults"])
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    conns, procs = [], []
+    for rank in range(WORLD):
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_rank_main, args=(rank, store.port, theirs, args), daemon=True)
+        proc.start()
+        theirs.close()
+        conns.append(ours)
+        procs.append(proc)
+    until = time.monotonic() + deadline
+    results: list[Any] = []
+    try:
+        for conn, proc in zip(conns, procs):
+            if conn.poll(max(until - time.monotonic(), 0)):
+                try:
+                    results.append(conn.recv())
+                    continue
+                except EOFError:
+                    pass
+            proc.join(max(until - time.monotonic(), 0.1))
+            results.append(("no reply (hung)" if proc.exitcode is None else f"exit code {proc.exitcode}", "", 0.0))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+    return results
+
+
+FAULTS = {  # fault: (what the message says of rank 2, seconds a survivor may take)
+    "skip": (r"rank 2 did not arrive( \(alive: stalled)?", TIMEOUT + 5),
+    "kill": (r"rank 2 died", TIMEOUT + 5),
+    "disagree": (r"disagree \(SHARDWISE_CHECK\): .*rank 2 issues|rank 2 was in .* > the SHARDWISE_CHECK agreement "
+                 r"instead", TIMEOUT + 5),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("operation", list(OPERATIONS))
+def test_every_survivor_names_the_operation_and_the_faulty_rank(operation: str, fault: str, tmp_path: Path) -> None:
+    results = _run_case(operation, fault, str(tmp_path))
+    victim = results[VICTIM][0]
+    assert victim == {"skip": "skipped", "kill": "exit code 17"}.get(fault, victim), results[VICTIM]
+    named, limit = FAULTS[fault]
+    _, operation_pattern = OPERATIONS[operation]
+    survivors = [r for r in range(WORLD) if r != VICTIM or fault == "disagree"]
+    for r in survivors:
+        kind, message, seconds = results[r]
+        assert kind in ("CollectiveError", "P2PError", "PipelineError"), (r, results[r])
+        if r != VICTIM:  # (a disagreeing rank 2 was doing something else: its error names that)
+            assert re.search(operation_pattern, message, re.S), (r, message)
+            assert re.search(named, message, re.S), (r, message)
+        assert seconds <= limit, (r, seconds, message)
+    if fault != "disagree":
+        return
+    assert results[VICTIM][0] in ("CollectiveError", "P2PError", "PipelineError"), results[VICTIM]
+
+
+def test_a_collective_error_is_a_runtime_error_naming_its_parts() -> None:
+    exc = CollectiveError(["all_gather of [2] float32"], 0, ranks=[0, 1, 2, 3], died=[3], missing=[2], arrived=[1],
+                          cause="Connection closed by peer")
+    assert isinstance(exc, RuntimeError) and exc.faulty == [2, 3]
+    exc.add_operation("full_tensor")
+    assert str(exc) == ("rank 0: full_tensor > all_gather of [2] float32 failed: rank 3 died (process gone); rank 2 "
+                        "did not arrive (alive: stalled, or waiting in another collective); rank 1 arrived and "
+                        "failed too (cause: Connection closed by peer)")
