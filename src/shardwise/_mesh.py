@@ -237,8 +237,6 @@ class DeviceMesh(AbstractMesh):
         self._slice_ranks = tuple(self._ranks_along(i) for i in range(self.ndim))
         self._whole = self._whole_group(ranks, create=whole)
         _LIVE.setdefault(self._key(), self)
-        from ._comm._fault import note_process
-
         note_process()  # so that peers can tell this process died, should it (once per process)
 
     def _whole_group(self, ranks: list[int], create: bool) -> Optional[tuple[Any, tuple[int, ...]]]:
@@ -417,6 +415,25 @@ def _init_default_group(device_type: str, world_size: int) -> None:
     _note_uncaught_exceptions()
 
 
+COLLECTIVE_FAILED = [False]  # set by a CollectiveError: this process's groups are broken
+_NOTED = [False]
+
+
+def note_process() -> None:
+    """Write this process's host and pid to the default store, once, so that peers diagnosing a
+    failed collective can tell whether it died (read by `_comm._fault`)."""
+    if _NOTED[0]:
+        return
+    _NOTED[0] = True
+    try:
+        import socket
+
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"shardwise/fault/pid/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
+    except Exception:
+        pass
+
+
 _CLEAN_EXIT = [True]  # False once an exception went uncaught: the process is failing
 
 
@@ -443,10 +460,8 @@ def _destroy_default_group() -> None:
     """
     if not dist.is_initialized():
         return
-    from ._comm._fault import FAILED
-
     try:
-        if _CLEAN_EXIT[0] and not FAILED[0]:  # after a failed collective, the barrier would only time out
+        if _CLEAN_EXIT[0] and not COLLECTIVE_FAILED[0]:  # after a failed collective, the barrier would only time out
             dist.barrier()
     finally:
         dist.destroy_process_group()

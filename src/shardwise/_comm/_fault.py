@@ -41,13 +41,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .._mesh import COLLECTIVE_FAILED, collective_timeout, note_process
+
 __all__ = ["GRACE", "CollectiveError", "checking", "diagnose", "group_ranks", "next_number", "note_process",
            "verify_agreement"]
 
 GRACE = 2.0  # seconds a failing rank watches for the others' reports
 _PREFIX = "shardwise/fault"
-_NOTED = [False]
-FAILED = [False]  # a collective failed in this process: its groups are broken (no barrier at exit)
 _NUMBERS: dict[Any, int] = {}  # collectives issued on each group (keyed by the group object)
 _RANKS: dict[Any, tuple[int, ...]] = {}
 _DIAGNOSED: set[str] = set()  # groups whose failure this process has diagnosed
@@ -73,7 +73,7 @@ class CollectiveError(RuntimeError):
         self._reason = reason
         self.outside = outside
         self.found = dict(found or {})  # rank -> what that rank (failing elsewhere) found
-        FAILED[0] = True
+        COLLECTIVE_FAILED[0] = True
         super().__init__(self._render())
 
     @property
@@ -122,19 +122,6 @@ def _store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
-
-
-def note_process() -> None:
-    """Write this process's host and pid to the store, once (so peers can tell it died)."""
-    if _NOTED[0]:
-        return
-    _NOTED[0] = True
-    store = _store()
-    if store is not None:
-        try:
-            store.set(f"{_PREFIX}/pid/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
-        except Exception:
-            pass
 
 
 def group_ranks(group: Any) -> tuple[int, ...]:
@@ -313,8 +300,6 @@ def _outside(store: Any, group: set[int]) -> str:
 def _cause(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if "timed out" in text.lower() or "timeout" in text.lower():
-        from .._mesh import collective_timeout
-
         return (f"nothing completed within the collective timeout ({collective_timeout().total_seconds():g} s, "
                 f"SHARDWISE_COLLECTIVE_TIMEOUT): {text}")
     return text.split(" This is typically")[0]
