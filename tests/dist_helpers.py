@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
-from typing import Optional
+import multiprocessing as mp
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,3 +85,38 @@ def term_grad_scale(placements: Sequence[Placement], mesh_shape: Sequence[int]) 
         if isinstance(p, Partial) and p.reduce_op == "avg":
             scale /= n
     return scale
+
+
+def replies_from_processes(target: Callable[..., None], world: int, args: tuple[Any, ...], *, deadline: float,
+                           no_reply: Callable[[str], Any], start_method: str = "spawn") -> list[Any]:
+    """Start `world` processes running `target(rank, store_port, conn, args)` (each sends one reply
+    on `conn`) and collect the replies by rank; `no_reply(status)` stands in for a process that
+    sent none ("exit code 3", "no reply (hung)"). Every process is gone when this returns."""
+    ctx = mp.get_context(start_method)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    conns, procs = [], []
+    for r in range(world):
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(r, store.port, theirs, args), daemon=True)
+        proc.start()
+        theirs.close()
+        conns.append(ours)
+        procs.append(proc)
+    until = time.monotonic() + deadline
+    results: list[Any] = []
+    try:
+        for conn, proc in zip(conns, procs):
+            if conn.poll(max(until - time.monotonic(), 0)):
+                try:
+                    results.append(conn.recv())
+                    continue
+                except EOFError:
+                    pass
+            proc.join(max(until - time.monotonic(), 0.1))
+            results.append(no_reply("no reply (hung)" if proc.exitcode is None else f"exit code {proc.exitcode}"))
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+    return results

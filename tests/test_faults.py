@@ -35,6 +35,8 @@ from shardwise import CollectiveError, Partial, Replicate, Shard, checkpoint
 from shardwise.parallel import data_parallel
 from shardwise.pipeline._runtime import DistributedPipe
 
+from .dist_helpers import replies_from_processes
+
 TIMEOUT = 2.0  # SHARDWISE_COLLECTIVE_TIMEOUT in the cases
 VICTIM = 2
 WORLD = 4
@@ -142,35 +144,11 @@ def _rank_main(rank: int, port: int, conn: Any, args: tuple[Any, ...]) -> None:
 
 
 def _run_case(*args: Any, deadline: float = 40.0) -> list[Any]:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "shardwise", "tests.test_faults"])
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
-    conns, procs = [], []
-    for rank in range(WORLD):
-        ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_rank_main, args=(rank, store.port, theirs, args), daemon=True)
-        proc.start()
-        theirs.close()
-        conns.append(ours)
-        procs.append(proc)
-    until = time.monotonic() + deadline
-    results: list[Any] = []
-    try:
-        for conn, proc in zip(conns, procs):
-            if conn.poll(max(until - time.monotonic(), 0)):
-                try:
-                    results.append(conn.recv())
-                    continue
-                except EOFError:
-                    pass
-            proc.join(max(until - time.monotonic(), 0.1))
-            results.append(("no reply (hung)" if proc.exitcode is None else f"exit code {proc.exitcode}", "", 0.0))
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
-    return results
+    """Every rank's (error type, message, seconds) for one case, on 4 processes forked from a
+    server that has imported torch and shardwise already."""
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "shardwise", "tests.test_faults"])
+    return replies_from_processes(_rank_main, WORLD, args, deadline=deadline, start_method="forkserver",
+                                  no_reply=lambda status: (status, "", 0.0))
 
 
 FAULTS = {  # fault: (what the message says of rank 2, seconds a survivor may take)

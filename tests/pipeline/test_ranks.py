@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import copy
 import datetime
-import multiprocessing as mp
 import os
 import re
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,6 +40,8 @@ from shardwise.pipeline._stage import split_module
 from shardwise.pipeline._wire import ChannelPlan
 from shardwise.pipeline.skip import Namespace, inspect_skip_layout, pop, skippable, stash
 from shardwise.testing import distributed, run_distributed
+
+from ..dist_helpers import replies_from_processes
 
 D = 4  # feature width
 ROWS = 10  # batch rows: chunks=4 gives micro-batches of 3, 3, 3 and 1 rows
@@ -449,7 +449,8 @@ def _failing_step(how: str) -> None:
     pipe.step(*batch(8))  # stage 1 (rank 1) fails in the forward of micro-batch 2
 
 
-def _rank_main(rank: int, world: int, port: int, conn: Any, body: Callable[..., None], args: tuple[Any, ...]) -> None:
+def _rank_main(rank: int, port: int, conn: Any, task: tuple[Any, ...]) -> None:
+    world, body, args = task
     os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = "10"
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=10)
@@ -467,34 +468,8 @@ def _rank_main(rank: int, world: int, port: int, conn: Any, body: Callable[..., 
 
 def run_own_processes(body: Callable[..., None], world: int, *args: Any, deadline: float = 60.0) -> list[Any]:
     """Run `body(*args)` on `world` fresh processes; per rank (exception name, message), or the exit code."""
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
-    conns, procs = [], []
-    for rank in range(world):
-        ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_rank_main, args=(rank, world, store.port, theirs, body, args), daemon=True)
-        proc.start()
-        theirs.close()
-        conns.append(ours)
-        procs.append(proc)
-    until = time.monotonic() + deadline
-    results: list[Any] = []
-    try:
-        for conn, proc in zip(conns, procs):
-            if conn.poll(max(until - time.monotonic(), 0)):
-                try:
-                    results.append(conn.recv())
-                    continue
-                except EOFError:
-                    pass
-            proc.join(max(until - time.monotonic(), 0.1))
-            results.append(("no reply (hung)" if proc.exitcode is None else f"exit code {proc.exitcode}", ""))
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
-    return results
+    return replies_from_processes(_rank_main, world, (world, body, args), deadline=deadline,
+                                  no_reply=lambda status: (status, ""))
 
 
 def test_a_stage_that_raises_stops_every_rank_with_a_clear_error() -> None:
