@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Optional, Union
 
@@ -27,11 +28,29 @@ def plan_for(
     bandwidth: Optional[Sequence[float]] = None,
 ) -> RedistributePlan:
     """The cheapest plan from `src` to `dst` for a tensor of `shape` on `mesh` (pure)."""
+    if not isinstance(mesh, AbstractMesh):
+        raise TypeError(f"mesh must be an AbstractMesh or a DeviceMesh, got {mesh!r}: e.g. AbstractMesh((2, 4))")
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or any(
+        isinstance(n, bool) or not hasattr(n, "__index__") for n in shape
+    ):
+        raise TypeError(f"shape must be a sequence of ints (the global shape), got {shape!r}: e.g. (8, 4)")
+    if any(n < 0 for n in shape):
+        raise ValueError(f"shape {tuple(shape)!r} has a negative size: give the global shape, every size >= 0")
+    shape = tuple(int(n) for n in shape)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}: e.g. torch.float32")
     ndim = len(shape)
     s = normalize_placements(src, mesh.ndim, ndim, what="src placements")
     d = normalize_placements(dst, mesh.ndim, ndim, what="dst placements")
-    if bandwidth is not None and len(bandwidth) != mesh.ndim:
-        raise ValueError(f"bandwidth {tuple(bandwidth)} needs one entry per mesh dim ({mesh.ndim})")
+    if bandwidth is not None and (
+        not isinstance(bandwidth, (tuple, list)) or len(bandwidth) != mesh.ndim
+        or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < math.inf for b in bandwidth)
+    ):
+        shown = tuple(bandwidth) if isinstance(bandwidth, list) else bandwidth
+        raise ValueError(
+            f"bandwidth {shown!r} needs one positive, finite number per mesh dim ({mesh.ndim}): the relative "
+            f"bandwidth of each mesh dim, e.g. {(1.0,) * mesh.ndim}"
+        )
     return plan_redistribute(
         tuple(mesh.shape),
         tuple(shape),
@@ -61,5 +80,5 @@ def explain_redistribute(
       total: 192 B received per rank
     """
     if not isinstance(mesh, AbstractMesh):
-        mesh = AbstractMesh(tuple(mesh))
+        mesh = AbstractMesh(mesh)
     return plan_for(mesh, shape, src, dst, **kwargs).explain()  # type: ignore[arg-type]

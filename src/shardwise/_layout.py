@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
 
+from ._describe import describe
 from ._placement import Placement, Shard, _StridedShard
 
 __all__ = [
@@ -93,7 +94,12 @@ def normalize_placements(
     if isinstance(placements, Placement):
         placements = (placements,)
     if not isinstance(placements, (tuple, list)):
-        raise TypeError(f"{what} must be a sequence of Placement, got {type(placements).__name__}")
+        raise TypeError(f"{what} must be a sequence of Placement, one per mesh dim, got {describe(placements)}")
+    for i, p in enumerate(placements):
+        if not isinstance(p, Placement):
+            raise TypeError(
+                f"{what}[{i}] is {p!r} of type {type(p).__name__}: use Shard(dim), Replicate() or Partial()"
+            )
     if len(placements) != mesh_ndim:
         raise ValueError(
             f"{what} {format_placements(placements)} has {len(placements)} entries but the mesh has "
@@ -101,10 +107,6 @@ def normalize_placements(
         )
     out: list[Placement] = []
     for i, p in enumerate(placements):
-        if not isinstance(p, Placement):
-            raise TypeError(
-                f"{what}[{i}] is {p!r} of type {type(p).__name__}: use Shard(dim), Replicate() or Partial()"
-            )
         if isinstance(p, (Shard, _StridedShard)):
             d = p.dim
             if not -tensor_ndim <= d < tensor_ndim:
@@ -140,19 +142,31 @@ def normalize_shard_order(
     placements: Sequence[Placement], shard_order: ShardOrderLike, tensor_ndim: int
 ) -> ShardOrder:
     """Validate a split order against placements and return its canonical form."""
-    if not shard_order:
+    if shard_order is None or (isinstance(shard_order, (Mapping, tuple, list)) and not shard_order):
         return ()
+    pairs = isinstance(shard_order, (tuple, list)) and all(
+        isinstance(item, (tuple, list)) and len(item) == 2 for item in shard_order
+    )
+    if not isinstance(shard_order, Mapping) and not pairs:
+        raise TypeError(
+            f"shard_order must map tensor dims to the mesh dims that split them, outermost first, got "
+            f"{shard_order!r}: e.g. {{0: (1, 0)}}"
+        )
     items = shard_order.items() if isinstance(shard_order, Mapping) else shard_order
     default = split_orders(placements)
     out: list[tuple[int, tuple[int, ...]]] = []
     seen: set[int] = set()
     for d, ms in items:
-        if not isinstance(d, int) or not -tensor_ndim <= d < tensor_ndim:
+        if isinstance(d, bool) or not isinstance(d, int) or not -tensor_ndim <= d < tensor_ndim:
             raise ValueError(f"shard_order names tensor dim {d!r}, out of range for a {tensor_ndim}-D tensor")
         d = d % tensor_ndim
         if d in seen:
             raise ValueError(f"shard_order gives tensor dim {d} more than one split order: give each tensor dim once")
         seen.add(d)
+        if not isinstance(ms, (tuple, list)) or not all(isinstance(m, int) and not isinstance(m, bool) for m in ms):
+            raise TypeError(
+                f"shard_order gives tensor dim {d} {ms!r}: list the mesh dims (ints) that split it, outermost first"
+            )
         ms = tuple(ms)
         want = default.get(d, ())
         if sorted(ms) != list(want):

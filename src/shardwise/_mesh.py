@@ -112,8 +112,9 @@ class AbstractMesh:
 def _check_names(names: Optional[Sequence[str]], ndim: int) -> Optional[tuple[str, ...]]:
     if names is None:
         return None
-    if isinstance(names, str):
-        names = (names,)
+    names = (names,) if isinstance(names, str) else names
+    if isinstance(names, bytes) or not isinstance(names, Sequence):
+        raise TypeError(f"mesh_dim_names must be a sequence of str, one per mesh dim, got {names!r}: e.g. ('dp', 'tp')")
     names = tuple(names)
     if len(names) != ndim:
         raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {ndim}-D mesh: give one per mesh dim")
@@ -477,8 +478,10 @@ def init_device_mesh(
     """
     if isinstance(mesh_shape, int):
         mesh_shape = (mesh_shape,)
+    if isinstance(mesh_shape, (str, bytes)) or not isinstance(mesh_shape, Sequence):
+        raise TypeError(f"mesh_shape must be a sequence of ints, one per mesh dim, got {mesh_shape!r}: e.g. (2, 4)")
     shape = tuple(mesh_shape)
-    if not shape or any((not isinstance(s, int)) or s < 1 for s in shape):
+    if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         raise ValueError(f"mesh_shape {shape} is invalid: give positive ints, one per mesh dim")
     _check_names(mesh_dim_names, len(shape))
     n = 1

@@ -64,8 +64,8 @@ def test_balance_cost_matches_brute_force_on_random_sequences() -> None:
 @pytest.mark.parametrize(("partitions", "length", "message"), [
     (0, 3, "partitions must be a positive integer, got 0"),
     (-2, 3, "partitions must be a positive integer, got -2"),
-    (4, 3, "cost sequence is shorter than intended partitions (3 < 4): every partition needs at least one "
-           "layer; use at most 3 partitions"),
+    (4, 3, "cost sequence [1.0, 1.0, 1.0] (list) is shorter than intended partitions (3 < 4): every partition "
+           "needs at least one layer; use at most 3 partitions"),
 ])
 def test_balance_cost_errors(partitions: int, length: int, message: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -219,8 +219,8 @@ def test_balance_by_time_refuses_parameters_with_gradients() -> None:
     (lambda m: balance_by_size(3, m, torch.rand(1, 2)), ValueError,
      "module is shorter than intended partitions (2 < 3)"),
     (lambda m: balance_by_time(1, m[0], torch.rand(1, 2)), TypeError, "module must be an nn.Sequential, got Linear"),
-    (lambda m: balance_by_size(1, m, torch.rand(1, 2), param_scale=-1.0), ValueError, "param_scale must be >= 0"),
-    (lambda m: balance_by_size(1, m, [torch.rand(1, 2)]), TypeError, "expected Tensor, but got list"),
+    (lambda m: balance_by_size(1, m, torch.rand(1, 2), param_scale=-1.0), ValueError, "param_scale must be a finite number >= 0"),
+    (lambda m: balance_by_size(1, m, [torch.rand(1, 2)]), TypeError, "expected Tensor, but got [tensor([["),
 ])
 def test_balance_errors(call: object, error: type[Exception], message: str) -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))

@@ -80,10 +80,10 @@ def test_scatter_and_gather_carry_gradients() -> None:
 
 
 @pytest.mark.parametrize(("bad", "message"), [
-    ([torch.zeros(2)], "expected Tensor, but got list"),
-    (3, "expected Tensor, but got int"),
-    (None, "expected Tensor, but got NoneType"),
-    ((1, "a"), "expected Tensor, but got a tuple of (int, str)"),
+    ([torch.zeros(2)], "expected Tensor, but got [tensor([0., 0.])] (list)"),
+    (3, "expected Tensor, but got 3 (int)"),
+    (None, "expected Tensor, but got None (NoneType)"),
+    ((1, "a"), "expected Tensor, but got (1, 'a') (tuple): at least one value must be a Tensor"),
     ((torch.zeros(2), (torch.zeros(2),)), "input[1] is a tuple holding tensors"),
     ((torch.zeros(2), [torch.zeros(2)]), "input[1] is a list holding tensors"),
 ])

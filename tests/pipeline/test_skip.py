@@ -138,7 +138,7 @@ def test_isolate_rejects_undeclared_names_and_non_namespaces() -> None:
     with pytest.raises(ValueError, match=r"isolate\(only=\['bar'\]\) names \['bar'\], which StashFoo does not "
                                          r"declare \(stash: \['foo'\], pop: \[\]\)"):
         StashFoo().isolate(Namespace(), only=["bar"])
-    with pytest.raises(TypeError, match="isolate\\(\\) takes a Namespace, got str"):
+    with pytest.raises(TypeError, match="isolate\\(\\) takes a Namespace, got 'ns' \\(str\\)"):
         StashFoo().isolate("ns")  # type: ignore[arg-type]
 
 

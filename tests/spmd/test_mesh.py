@@ -65,7 +65,7 @@ def test_mesh_is_an_immutable_hashable_value() -> None:
     [
         ((range(4), (2, 2), ("x",)), r"axis_names \('x',\) has 1 names for the 2-D mesh_shape \(2, 2\)"),
         ((range(4), (2, 2), ("x", "x")), r"axis_names \('x', 'x'\) repeats \['x'\]"),
-        ((range(6), (2, 2)), r"mesh_shape \(2, 2\) holds 4 devices but device_ids has 6"),
+        ((range(6), (2, 2)), r"mesh_shape \(2, 2\) holds 4 devices but device_ids \[0, 1, 2, 3, 4, 5\] has 6"),
         (([0, 1, 1, 2], (2, 2)), r"device_ids \[0, 1, 1, 2\] repeats \[1\]"),
         (([0, 1, 2, 4], (2, 2)), r"device_ids \[0, 1, 2, 4\] has ids \[4\] outside \[0, 4\)"),
         (([0, 1, 2, -1], (4,)), r"has ids \[-1\] outside \[0, 4\)"),

@@ -252,7 +252,7 @@ def test_sharding_spec_validation_names_the_values() -> None:
         ShardingSpec(MESH_42, (2, None))
     with pytest.raises(TypeError, match="nested tuple"):
         ShardingSpec(MESH_42, ((("x",), "y"),))
-    with pytest.raises(TypeError, match="takes a shardwise.spmd.Mesh, got tuple"):
+    with pytest.raises(TypeError, match=r"takes a shardwise.spmd.Mesh, got \(4, 2\) \(tuple\)"):
         ShardingSpec((4, 2), (0, None))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="minibatch"):
         ShardingSpec(MESH_42, (0, None), minibatch="yes")  # type: ignore[arg-type]

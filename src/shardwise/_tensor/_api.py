@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .. import _comm as comm
 from .. import _rng
+from .._describe import describe
 from .._layout import (
     ShardOrderLike,
     contiguous_strides,
@@ -41,7 +42,7 @@ __all__ = ["from_local", "distribute_tensor", "zeros", "ones", "empty", "full", 
 def _resolve(device_mesh: Optional[DeviceMesh], placements: Optional[Sequence[Placement]]) -> tuple[DeviceMesh, Sequence[Placement]]:
     mesh = device_mesh if device_mesh is not None else get_current_mesh()
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        raise TypeError(f"device_mesh must be a DeviceMesh, got {describe(mesh)}: build one with shardwise.init_device_mesh")
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     return mesh, placements
@@ -149,7 +150,7 @@ def from_local(
     from the first rank so they truly agree.
     """
     if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensorBase):
-        raise TypeError(f"from_local takes a plain torch.Tensor, got {type(local_tensor).__name__}")
+        raise TypeError(f"from_local takes a plain torch.Tensor, got {describe(local_tensor)}")
     mesh, placements = _resolve(device_mesh, placements)
     pl = normalize_placements(placements, mesh.ndim, local_tensor.ndim)
     order = normalize_shard_order(pl, shard_order, local_tensor.ndim)
@@ -206,7 +207,7 @@ def distribute_tensor(
             )
         return given
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"distribute_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"distribute_tensor takes a torch.Tensor, got {describe(tensor)}")
     if tensor.requires_grad and tensor.grad_fn is not None:
         raise ValueError(
             f"distribute_tensor takes a leaf tensor (it returns a new leaf, so the gradient would never reach "
@@ -300,7 +301,7 @@ def _factory(
 ) -> DTensor:
     if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
         size = tuple(size[0])
-    if not all(isinstance(s, int) and s >= 0 for s in size):
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in size):
         raise ValueError(f"size {size} must be non-negative ints")
     mesh, placements = _resolve(device_mesh, placements)
     shape = tuple(size)
@@ -348,6 +349,8 @@ def full(size: Sequence[int], fill_value: Any, *, dtype: Optional[torch.dtype] =
          device_mesh: Optional[DeviceMesh] = None, placements: Optional[Sequence[Placement]] = None,
          shard_order: ShardOrderLike = None) -> DTensor:
     """A DTensor filled with `fill_value`; each rank allocates only its piece."""
+    if not isinstance(size, (list, tuple, torch.Size)):
+        raise TypeError(f"full(size, fill_value) takes the size as a list or tuple of ints, got {describe(size)}")
     return _factory(lambda s, o, m, mesh: torch.full(s, fill_value, dtype=m.dtype), (tuple(size),), dtype, requires_grad, device_mesh, placements, shard_order)
 
 

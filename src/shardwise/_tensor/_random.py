@@ -31,8 +31,10 @@ _STATE = _State()
 
 def manual_seed(seed: int) -> None:
     """Seed shardwise's random factories with a private generator (same seed on every rank)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+        raise ValueError(f"manual_seed takes an int seed in [-2**63, 2**64), got {seed!r}")
     g = torch.Generator()
-    g.manual_seed(int(seed))
+    g.manual_seed(seed)
     _STATE.generator = g
 
 

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from .. import _comm as comm
+from .._describe import describe
 from .._layout import ShardOrder, contiguous_strides, normalize_shard_order
 from .._mesh import DeviceMesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
@@ -233,10 +234,10 @@ def data_parallel(
     """
     problems: list[str] = []
     if not isinstance(module, nn.Module):
-        raise TypeError(f"data_parallel takes an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"data_parallel takes an nn.Module, got {describe(module)}")
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(
-            f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}: use shardwise.init_device_mesh"
+            f"device_mesh must be a DeviceMesh, got {describe(device_mesh)}: use shardwise.init_device_mesh"
         )
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a positive number of megabytes (default 25.0)")
@@ -388,6 +389,8 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     `module`, its Partial gradient (a replicated weight on a split batch) stays Partial
     inside the block, instead of being reduced at the end of every backward.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"no_sync takes the data-parallel (or sharded) nn.Module, got {describe(module)}")
     state = getattr(module, _STATE_ATTR, None)
     reducer = state.reducer if isinstance(state, _State) else None
     params = [p for p in module.parameters() if isinstance(p, DTensor)]
@@ -414,6 +417,10 @@ def memory_report(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] 
     rank) and `unsharded_parameters`, `unsharded_gradients`, `unsharded_optimizer_state`,
     `unsharded_total` (the global tensors, as one device would hold them).
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"memory_report takes an nn.Module, got {describe(module)}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"memory_report takes a torch.optim.Optimizer (or None), got {describe(optimizer)}")
     params = list({id(p): p for p in module.parameters()}.values())
     grads = [p.grad for p in params if p.grad is not None]
     state: list[torch.Tensor] = []
@@ -444,6 +451,8 @@ def global_mean(value: Union[torch.Tensor, DTensor], mesh: DeviceMesh, dp_dim: O
     Detached: not for backward. With equal batches per dp rank this is the loss
     of the whole global batch.
     """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"global_mean needs the DeviceMesh the value lives on, got {describe(mesh)}")
     names = mesh.mesh_dim_names
     dim = mesh.mesh_dim_index(dp_dim if dp_dim is not None else "dp" if names is not None and "dp" in names else 0)
     local = (value.full_tensor() if isinstance(value, DTensor) else value).detach()

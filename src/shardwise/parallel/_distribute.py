@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .._describe import describe
 from .._layout import ShardOrderLike, format_placements, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh, get_current_mesh
 from .._placement import Placement, Replicate
@@ -171,7 +172,7 @@ def distribute_module(
     )
     mesh = device_mesh if device_mesh is not None else get_current_mesh()
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"distribute_module needs a DeviceMesh, got {type(mesh).__name__}")
+        raise TypeError(f"distribute_module needs a DeviceMesh, got {describe(mesh)}: build one with shardwise.init_device_mesh")
     ties = Ties(module)
     if partition_fn is not None:
         for name, sub in list(module.named_modules()):

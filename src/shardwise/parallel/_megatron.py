@@ -38,6 +38,7 @@ from typing import Optional
 
 from torch import nn
 
+from .._describe import describe
 from .._placement import Replicate, Shard
 from ._coverage import coverage
 from ._experts import ExpertParallel, expert_parameters
@@ -108,6 +109,8 @@ class MegatronPlanner(ShardingPlanner):
     """
 
     def build_plan(self, module: nn.Module) -> ShardingPlan:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"MegatronPlanner.build_plan takes the nn.Module to plan, got {describe(module)}")
         colwise = ColwiseParallel(use_local_output=False)
         rowwise = RowwiseParallel(use_local_output=False)
         embedding = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=False)

@@ -24,6 +24,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from .._describe import describe
 from .._mesh import DeviceMesh, get_current_mesh
 from .._tensor import DTensor
 from ._distribute import Ties, distribute_module, place_parameter
@@ -36,7 +37,7 @@ __all__ = ["shard_module", "parallelize_module"]
 def _mesh(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
     mesh = device_mesh if device_mesh is not None else get_current_mesh()
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{what} needs a DeviceMesh, got {type(mesh).__name__}")
+        raise TypeError(f"{what} needs a DeviceMesh, got {describe(mesh)}: build one with shardwise.init_device_mesh")
     return mesh
 
 
@@ -154,13 +155,13 @@ def parallelize_module(
         styles: dict[str, Sharder] = {"": parallelize_plan}
     elif isinstance(parallelize_plan, Mapping):
         styles = dict(parallelize_plan)
-        bad = [f"{k!r}: {type(v).__name__}" for k, v in styles.items() if not isinstance(v, Sharder)]
+        bad = [f"{k!r}: {describe(v)}" for k, v in styles.items() if not isinstance(v, Sharder)]
         if bad:
             raise TypeError(f"parallelize_plan maps module patterns to ParallelStyles; these are not: {', '.join(bad)}")
     else:
         raise TypeError(
             f"parallelize_plan must be a ParallelStyle or a dict of module patterns -> ParallelStyle, "
-            f"got {type(parallelize_plan).__name__}"
+            f"got {describe(parallelize_plan)}"
         )
     styles = {k: _with_src(v, src_data_rank) for k, v in styles.items()}
     return shard_module(module, ShardingPlan(styles), mesh, src_data_rank=src_data_rank, replicate_rest=replicate_rest)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union, cast
 import torch
 from torch import nn
 
+from .._describe import describe
 from .._layout import Layout, ShardOrder, chunk_range, format_placements, normalize_placements, split_orders
 from .._mesh import AbstractMesh
 from .._partition_spec import to_placements
@@ -116,7 +117,10 @@ class ShardingPlan:
     def __post_init__(self) -> None:
         problems: list[str] = []
         if not isinstance(self.plan, Mapping):
-            raise TypeError(f"ShardingPlan(plan=...) must map names to layouts or Sharders, got {type(self.plan).__name__}")
+            raise TypeError(
+                f"ShardingPlan(plan=...) must map names to layouts or Sharders, got {describe(self.plan)}: e.g. "
+                f"{{'fc': ColwiseParallel(), 'fc.bias': (Shard(0),)}}"
+            )
         plan: dict[str, Union[PlanEntry, Sharder]] = {}
         for key, value in self.plan.items():
             if not isinstance(key, str):
@@ -128,13 +132,13 @@ class ShardingPlan:
         outputs: Optional[dict[str, PlanEntry]] = None
         if self.output_plan is not None:
             if not isinstance(self.output_plan, Mapping):
-                problems.append(f"output_plan must map module names to layouts, got {type(self.output_plan).__name__}")
+                problems.append(f"output_plan must map module names to layouts, got {describe(self.output_plan)}")
             else:
                 outputs = {k: _canonical_layout(v, f"output_plan[{k!r}]", problems) for k, v in self.output_plan.items()}
         local: Optional[tuple[str, ...]] = None
         if self.return_local_tensor is not None:
             names = self.return_local_tensor
-            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
                 problems.append(
                     f"return_local_tensor must be a list of module names, got {names!r}: write [{names!r}] for one module"
                     if isinstance(names, str) else f"return_local_tensor must be a list of module names (str), got {names!r}"
@@ -266,6 +270,11 @@ def _no_match(key: str, kind: str, candidates: Sequence[str], other: Sequence[st
 
 def resolve(plan: ShardingPlan, module: nn.Module, mesh: AbstractMesh) -> ResolvedPlan:
     """Bind `plan` to `module` and check it against the mesh shape; ValueError listing every problem."""
+    for what, given, kind, hint in (("plan", plan, ShardingPlan, "e.g. ShardingPlan({'fc': ColwiseParallel()})"),
+                                    ("module", module, nn.Module, "the model to shard"),
+                                    ("mesh", mesh, AbstractMesh, "a DeviceMesh or e.g. AbstractMesh((2,), ('tp',))")):
+        if not isinstance(given, kind):
+            raise TypeError(f"{what} must be a {kind.__name__}, got {describe(given)}: pass {hint}")
     problems: list[str] = []
     modules = dict(module.named_modules())
     params = dict(module.named_parameters(remove_duplicate=False))

@@ -18,6 +18,7 @@ through `torch.autograd.graph.saved_tensors_hooks` rather than a CUDA allocator 
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -25,7 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._describe import describe
 from ._microbatch import Batch, BatchValue, check, scatter
+from ._stream import as_device
 
 __all__ = ["balance_by_time", "balance_by_size", "balance_cost"]
 
@@ -35,7 +38,11 @@ _HINT = "balance_by_time and balance_by_size split an nn.Sequential into `partit
 def balance_cost(cost: Sequence[float], partitions: int) -> list[int]:
     """The balance (layers per partition) whose largest block of `cost` is smallest; ties
     go to the most even costs, then the most even layer counts."""
-    _check_partitions(partitions, len(cost), "cost sequence")
+    if isinstance(cost, (str, bytes)) or not isinstance(cost, Sequence) or not all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c < math.inf for c in cost
+    ):
+        raise ValueError(f"cost must be a sequence of finite, non-negative numbers (one per layer), got {describe(cost)}")
+    _check_partitions(partitions, len(cost), f"cost sequence {describe(cost)}")
     return _block_partition([float(c) for c in cost], partitions)
 
 
@@ -44,10 +51,12 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: BatchValue, 
     """Balance by the time each layer takes for forward and backward on `sample`, repeated
     until `timeout` seconds have passed (at least once), summed per layer."""
     _check_module(partitions, module)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+        raise ValueError(f"timeout={timeout!r} must be a finite number of seconds >= 0 (profiling repeats until then)")
     if any(p.grad is not None for p in module.parameters()):
         raise ValueError("some parameter already has gradient: balancing runs backward on copies of the "
                          "layers and must start from none; call module.zero_grad(set_to_none=True) first")
-    times = _profile_times(module, sample, timeout, torch.device(device))
+    times = _profile_times(module, sample, timeout, as_device(device, "device"))
     return _block_partition(times, partitions)
 
 
@@ -56,10 +65,10 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: BatchValue, *
     """Balance by memory: per layer, parameter bytes * `param_scale` plus the bytes of the
     activations it saves for backward on one micro-batch of `input` split into `chunks`."""
     _check_module(partitions, module)
-    if param_scale < 0:
-        raise ValueError(f"param_scale must be >= 0 (parameters plus optimizer state per parameter byte), "
-                         f"got {param_scale}")
-    sizes = _profile_sizes(module, input, chunks, param_scale, torch.device(device))
+    if isinstance(param_scale, bool) or not isinstance(param_scale, (int, float)) or not 0 <= param_scale < math.inf:
+        raise ValueError(f"param_scale must be a finite number >= 0 (parameters plus optimizer state per parameter "
+                         f"byte), got {param_scale!r}")
+    sizes = _profile_sizes(module, input, chunks, param_scale, as_device(device, "device"))
     return _block_partition(sizes, partitions)
 
 
@@ -147,7 +156,7 @@ def _rng_devices(device: torch.device) -> list[int]:
 
 def _check_module(partitions: int, module: nn.Module) -> None:
     if not isinstance(module, nn.Sequential):
-        raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}: {_HINT}")
+        raise TypeError(f"module must be an nn.Sequential, got {describe(module)}: {_HINT}")
     _check_partitions(partitions, len(module), "module")
 
 
@@ -189,7 +198,7 @@ def _block_partition(cost: Sequence[float], k: int) -> list[int]:
                 prev = score[j - 1][t]
                 if prev is None or block(t, i) > limit:
                     continue
-                cand = (prev[0] + block(t, i) ** 2, prev[1] + (i - t) ** 2)
+                cand = (prev[0] + block(t, i) * block(t, i), prev[1] + (i - t) ** 2)  # not **: 1e300 ** 2 raises
                 current = score[j][i]
                 if current is None or cand < current:
                     score[j][i], choice[j][i] = cand, t

@@ -42,6 +42,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from .._describe import describe
+
 __all__ = ["hf_loss", "hf_sequential"]
 
 # how each decoder-only family picks a layer's mask, as its model's forward does
@@ -90,7 +92,7 @@ def hf_sequential(model: nn.Module) -> nn.Sequential:
         return nn.Sequential(OrderedDict(layers))
     raise TypeError(
         f"hf_sequential cuts causal LMs of the {sorted(_DECODERS | {'gpt2'})} families and T5ForConditionalGeneration, "
-        f"whose forwards it mirrors; got {type(model).__name__} (model_type {kind!r}). Write the layers yourself "
+        f"whose forwards it mirrors; got {describe(model)} (model_type {kind!r}). Write the layers yourself "
         "as an nn.Sequential (checking them against the whole model), or ask for this architecture")
 
 
@@ -108,7 +110,7 @@ def hf_loss(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
         def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
             return loss_function(logits=logits, labels=labels, vocab_size=vocab_size)
         return causal_lm_loss
-    raise TypeError(f"hf_loss knows the losses of the models hf_sequential cuts; got {type(model).__name__} "
+    raise TypeError(f"hf_loss knows the losses of the models hf_sequential cuts; got {describe(model)} "
                     f"(model_type {kind!r})")
 
 

@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from .._describe import describe
+
 __all__ = ["Batch", "check", "scatter", "gather"]
 
 BatchValue = Union[Tensor, tuple[Any, ...]]
@@ -47,7 +49,7 @@ class Batch:
 
     def __init__(self, value: BatchValue) -> None:
         if not isinstance(value, (Tensor, tuple)):
-            raise TypeError(f"Batch takes a Tensor or a tuple, got {type(value).__name__}")
+            raise TypeError(f"Batch takes a Tensor or a tuple, got {describe(value)}")
         self._value: BatchValue = value
 
     @property
@@ -139,36 +141,39 @@ def check(input: object) -> None:
     >>> check([torch.zeros(2)])
     Traceback (most recent call last):
     ...
-    TypeError: expected Tensor, but got list: pass a Tensor or a tuple of values with at least one Tensor
+    TypeError: expected Tensor, but got [tensor([0., 0.])] (list): pass a Tensor or a tuple of values with at least one Tensor
     """
     if isinstance(input, Tensor):
         return
     if not isinstance(input, tuple):
-        raise TypeError(f"expected Tensor, but got {type(input).__name__}: pass a Tensor or a tuple of values "
+        raise TypeError(f"expected Tensor, but got {describe(input)}: pass a Tensor or a tuple of values "
                         "with at least one Tensor")
     problems = [f"input[{i}] is a {type(v).__name__} holding tensors, which would not be split into "
                 "micro-batches: pass those tensors as elements of the input tuple itself"
                 for i, v in enumerate(input)
                 if not isinstance(v, Tensor) and any(isinstance(leaf, Tensor) for leaf in tree_leaves(v))]
     if not any(isinstance(v, Tensor) for v in input):
-        problems.append(f"expected Tensor, but got a tuple of {_type_names(input)}: at least one value "
-                        "must be a Tensor to split along the batch dim")
+        problems.append(f"expected Tensor, but got {describe(input)}: at least one value must be a Tensor to "
+                        "split along the batch dim")
     _raise(TypeError, problems)
 
 
 def scatter(input: BatchValue, chunks: int) -> list[Batch]:
     """Split `input` into at most `chunks` micro-batches along tensor dim 0 (`Tensor.chunk`
     sizes: `ceil(batch / chunks)` rows each, the last one smaller; fewer micro-batches when
-    the batch is too small). Non-tensor values of a tuple go whole to every micro-batch."""
+    the batch is too small, one for an empty batch). Non-tensor values of a tuple go whole to
+    every micro-batch."""
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"number of chunks must be positive integer, got {chunks!r}")
     check(input)
+    # never more micro-batches than rows (Tensor.chunk makes `chunks` pieces of an empty batch,
+    # and overflows past 2**63 of them): a row each, and one micro-batch of an empty batch
     if isinstance(input, Tensor):
         _raise(ValueError, _batch_dim_problems([("input", input)]))
-        return [Batch(piece) for piece in input.chunk(chunks)]
+        return [Batch(piece) for piece in input.chunk(min(chunks, max(len(input), 1)))]
     tensors = [(f"input[{i}]", v) for i, v in enumerate(input) if isinstance(v, Tensor)]
     _raise(ValueError, _batch_dim_problems(tensors))
-    pieces = {name: t.chunk(chunks) for name, t in tensors}
+    pieces = {name: t.chunk(min(chunks, max(len(t), 1))) for name, t in tensors}
     count = len(next(iter(pieces.values())))
     return [Batch(tuple(pieces[f"input[{i}]"][k] if isinstance(v, Tensor) else v for i, v in enumerate(input)))
             for k in range(count)]
@@ -178,8 +183,12 @@ def gather(outputs: Sequence[Batch]) -> BatchValue:
     """Join micro-batches back into one value of the same structure: tensors are
     concatenated along tensor dim 0; a non-tensor value comes back once when every
     micro-batch holds the same value, else as a list of the per-micro-batch values."""
+    if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence) or not all(
+        isinstance(b, Batch) for b in outputs
+    ):
+        raise TypeError(f"gather takes a list of Batch (the micro-batches scatter made), got {describe(outputs)}")
     if not outputs:
-        raise ValueError("gather needs at least one micro-batch, got none")
+        raise ValueError(f"gather needs at least one micro-batch, got {outputs!r}")
     first = outputs[0]
     kinds = {(b.atomic, len(b)) for b in outputs}
     if len(kinds) != 1:

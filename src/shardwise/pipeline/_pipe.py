@@ -29,10 +29,11 @@ from typing import Any, Optional, Union, cast
 import torch
 from torch import Tensor, nn
 
+from .._describe import describe
 from ._batchnorm import DeferredBatchNorm
 from ._engine import Pipeline
 from ._microbatch import BatchValue, check, gather, scatter
-from ._stream import AbstractStream, new_stream
+from ._stream import AbstractStream, as_device, new_stream
 from .skip._routes import SkipRoutes, inspect_skip_layout
 from .skip._verify import verify_skippables
 
@@ -69,7 +70,7 @@ def _default_devices(n: int) -> list[torch.device]:
 
 def _verify_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Sequential):
-        raise TypeError(f"module must be nn.Sequential to be partitioned, got {type(module).__name__}: wrap its "
+        raise TypeError(f"module must be nn.Sequential to be partitioned, got {describe(module)}: wrap its "
                         "layers in nn.Sequential (each child is one indivisible layer)")
     seen: dict[int, str] = {}
     duplicates = []
@@ -89,8 +90,8 @@ def _argument_problems(balance: list[Any], chunks: int, checkpoint: str,
                        module: nn.Sequential) -> tuple[list[str], bool]:
     """Problems with chunks, checkpoint and balance, and whether balance is one of them."""
     problems = []
-    if chunks <= 0:
-        problems.append(f"number of chunks must be positive integer (chunks: {chunks}): pass chunks >= 1, the "
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        problems.append(f"number of chunks must be positive integer (chunks: {chunks!r}): pass chunks >= 1, the "
                         "number of micro-batches")
     if checkpoint not in MODES:
         problems.append(f"checkpoint is not one of 'always', 'except_last', or 'never' (checkpoint: "
@@ -100,8 +101,8 @@ def _argument_problems(balance: list[Any], chunks: int, checkpoint: str,
                         "partition at least one layer")
     elif len(module) != sum(balance):
         problems.append(f"module and sum of balance have different length (module: {len(module)}, sum of "
-                        f"balance: {sum(balance)}): balance[j] is the number of layers of partition j, and "
-                        "they must add up to len(module)")
+                        f"balance: {sum(balance)}): balance[j] is the number of layers of partition j (balance: "
+                        f"{balance}), and they must add up to len(module)")
     return problems, any("balance" in p for p in problems)
 
 
@@ -111,6 +112,9 @@ def check_arguments(module: nn.Sequential, balance: Iterable[int], chunks: int, 
     multi-process runtime); all argument problems raised at once. Returns the balance.
     `allow_shared`: partitions may share parameters (the runtime sums their gradients)."""
     _verify_module(module)
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
+        raise TypeError(recommend_auto_balance(
+            f"balance must be a list of layers per partition, got {describe(balance)}: e.g. [2, 2]"))
     balance = list(balance)
     problems, balance_is_wrong = _argument_problems(balance, chunks, checkpoint, module)
     if problems:
@@ -165,13 +169,19 @@ class Pipe(nn.Module):
         if balance is None:
             raise ValueError(recommend_auto_balance(
                 "balance is required: pass balance=[layers of partition 0, layers of partition 1, ...]"))
-        chunks, checkpoint = int(chunks), str(checkpoint)
+        given: object = chunks
+        if isinstance(given, float) and given.is_integer():
+            chunks = int(given)  # torchgpipe took chunks=8.0; 2.5, NaN or "8" are refused below
         balance = check_arguments(module, balance, chunks, checkpoint, "Pipe")
-        device_list = [torch.device(d) for d in devices] if devices is not None else _default_devices(len(balance))
+        if devices is not None and (isinstance(devices, (str, bytes, torch.device)) or not isinstance(devices, Iterable)):
+            raise TypeError(f"devices must be a list of devices, one per partition, got {describe(devices)}: e.g. "
+                            f"{['cpu'] * len(balance)}")
+        device_list = ([as_device(d, f"devices[{j}]") for j, d in enumerate(devices)] if devices is not None
+                       else _default_devices(len(balance)))
         if len(device_list) < len(balance):
-            raise IndexError(f"too few devices to hold given partitions (devices: {len(device_list)}, partitions: "
-                             f"{len(balance)}): pass one device per partition, e.g. devices={['cpu'] * len(balance)}"
-                             ", or fewer partitions")
+            raise ValueError(f"too few devices to hold given partitions (devices: {len(device_list)} "
+                             f"{[str(d) for d in device_list]}, partitions: {len(balance)}): pass one device per "
+                             f"partition, e.g. devices={['cpu'] * len(balance)}, or fewer partitions")
 
         self.chunks = chunks
         self.checkpoint = checkpoint

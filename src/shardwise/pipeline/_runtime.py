@@ -41,7 +41,7 @@ process like a mesh's groups; `close()` releases it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _comm as comm
+from .._describe import describe
 from .._mesh import DeviceMesh, collective_timeout
 from ._microbatch import BatchValue, gather
 from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -101,6 +102,11 @@ class DistributedPipe(nn.Module):
                  chunks: int = 1, checkpoint: str = "except_last", loss_fn: Optional[LossFn] = None,
                  device: Optional[torch.device | str] = None, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"DistributedPipe runs over a DeviceMesh with a pp dim, got {describe(mesh)}: build one "
+                            "with shardwise.init_device_mesh(..., mesh_dim_names=('pp',))")
+        if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
+            raise TypeError(f"balance must be a list of layers per stage, got {describe(balance)}: e.g. [2, 2]")
         balance = list(balance)
         dp_dim = _check_arguments(mesh, pp_dim, dp_dim, schedule, virtual_stages, len(balance), chunks)
         partitions = split_module(module, balance, chunks=chunks, checkpoint=checkpoint, allow_shared=True)

@@ -76,8 +76,8 @@ class Schedule(abc.ABC):
 
     def stage_rank(self, stage: int) -> int:
         """The rank (or device) that runs `stage`: `stage % num_ranks`."""
-        if not 0 <= stage < self.num_stages:
-            raise ValueError(f"stage {stage} is out of range for {self!r}: use a stage in [0, {self.num_stages - 1}]")
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage!r} is out of range for {self!r}: use a stage in [0, {self.num_stages - 1}]")
         return stage % self.num_ranks
 
     def rank_stages(self, rank: int) -> list[int]:
@@ -100,8 +100,8 @@ class Schedule(abc.ABC):
         return 1.0 - busy / (self.num_ranks * len(table))
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.num_ranks:
-            raise ValueError(f"rank {rank} is out of range for {self!r}: use a rank in [0, {self.num_ranks - 1}]")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank!r} is out of range for {self!r}: use a rank in [0, {self.num_ranks - 1}]")
 
 
 class ScheduleGPipe(Schedule):

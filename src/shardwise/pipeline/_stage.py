@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
+from .._describe import describe
+
 from ._checkpoint import Checkpointing
 from ._microbatch import Batch, BatchValue
 from ._pipe import check_arguments
@@ -103,6 +105,13 @@ class PipelineStage:
     """Partition `index` (of `num_stages`) on global rank `rank`: its layers and how to run them."""
 
     def __init__(self, partition: nn.Sequential, index: int, num_stages: int, rank: int) -> None:
+        if not isinstance(partition, nn.Sequential):
+            raise TypeError(f"PipelineStage takes its partition as an nn.Sequential, got {describe(partition)}")
+        for name, value in (("index", index), ("num_stages", num_stages), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"PipelineStage({name}=...) takes an int, got {describe(value)}")
+        if rank < 0:
+            raise ValueError(f"PipelineStage(rank={rank}) must be a global rank, >= 0")
         if not 0 <= index < num_stages:
             raise ValueError(f"stage index {index} is out of range for {num_stages} stages: use one in "
                              f"[0, {num_stages - 1}]")

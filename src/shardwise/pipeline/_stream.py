@@ -18,10 +18,13 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+from .._describe import describe
+
 __all__ = [
     "CPU_STREAM",
     "AbstractStream",
     "Copy",
+    "as_device",
     "Wait",
     "current_stream",
     "get_device",
@@ -57,6 +60,23 @@ def current_stream(device: torch.device) -> AbstractStream:
     if device.type != "cuda":
         return CPU_STREAM
     return torch.cuda.current_stream(device)
+
+
+def as_device(value: object, what: str) -> torch.device:
+    """`value` (a torch.device, a device name such as "cpu" or "cuda:1", or a CUDA index) as a
+    device this process has; TypeError / ValueError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):
+        raise TypeError(f"{what} must be a torch.device, a device name or a CUDA index, got {describe(value)}: "
+                        "e.g. 'cpu' or 'cuda:0'")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"{what} = {value!r} is not a device ({exc}): e.g. 'cpu' or 'cuda:0'") from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise ValueError(f"{what} = {value!r} names {device}, but this process sees {count} CUDA device(s): "
+                         "use one of those, or 'cpu'")
+    return device
 
 
 def get_device(stream: AbstractStream) -> torch.device:

@@ -74,6 +74,9 @@ class Timeline:
         """Add one event (thread-safe)."""
         if kind not in ("F", "B"):
             raise ValueError(f"timeline event kind must be 'F' or 'B', got {kind!r}")
+        for name, t in (("start", start), ("end", end)):
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
+                raise TypeError(f"timeline event {name} must be a time in seconds (a number), got {t!r}")
         if end < start:
             raise ValueError(f"timeline event ends before it starts: start={start}, end={end}")
         with self._lock:
@@ -128,8 +131,7 @@ class Timeline:
         """One line per rank/device, time scaled to `width` characters: each event's cells
         start with its kind and micro-batch (``F3``, ``B10``; the kind alone where that does
         not fit), idle cells are ``.``."""
-        if width < 1:
-            raise ValueError(f"width must be at least 1 character, got {width}")
+        _check_width(width, "character")
         events = self.events
         if not events:
             return ""
@@ -153,6 +155,7 @@ class Timeline:
     def png_size(self, width: int = 480) -> tuple[int, int]:
         """(width, height) in pixels of `png_bytes(width)`: the label column, `width`
         pixels of time, one row per rank/device."""
+        _check_width(width, "pixel")
         n = len(self.rows())
         label_w = max((text_width(_label(r)) for r in self.rows()), default=0)
         return (2 * self.MARGIN + label_w + self.LABEL_GAP + width,
@@ -161,8 +164,7 @@ class Timeline:
     def png_bytes(self, width: int = 480) -> bytes:
         """The timeline as a PNG: forward spans blue, backward green, idle grey, each span
         labelled with its micro-batch number when it is wide enough."""
-        if width < 1:
-            raise ValueError(f"width must be at least 1 pixel, got {width}")
+        _check_width(width, "pixel")
         events = self.events
         if not events:
             raise ValueError("the timeline has no events to draw: record some, or use Timeline.from_schedule")
@@ -188,6 +190,14 @@ class Timeline:
     def render_png(self, path: str | Path, width: int = 480) -> None:
         """Write `png_bytes(width)` to `path`."""
         Path(path).write_bytes(self.png_bytes(width))
+
+
+_MAX_WIDTH = 1 << 16
+
+
+def _check_width(width: object, unit: str) -> None:
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= _MAX_WIDTH:
+        raise ValueError(f"width must be an int of 1 to {_MAX_WIDTH} {unit}s, got {width!r}")
 
 
 def _extent(events: list[TimelineEvent]) -> tuple[float, float]:

@@ -34,6 +34,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from .. import _comm as comm
+from .._describe import describe
 from .._layout import Layout, ShardOrder, contiguous_strides, local_shape_and_offset, split_orders
 from .._mesh import DeviceMesh
 from .._partition_spec import MeshAxis, PartitionSpecLike
@@ -110,7 +111,7 @@ def enable_manual_sharding(t: torch.Tensor, partition_spec: PartitionSpecLike, *
     `disable_manual_sharding` makes the result global again. `mesh=None` uses the global mesh.
     """
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"enable_manual_sharding takes a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"enable_manual_sharding takes a torch.Tensor, got {describe(t)}")
     dm = _mesh_or_global(mesh, "enable_manual_sharding")
     layout = layout_of(partition_spec, dm, t.ndim, "enable_manual_sharding")
     return _to_manual(t, dm, layout, "enable_manual_sharding")
@@ -126,7 +127,7 @@ def disable_manual_sharding(
     the layout gives this rank (torch.chunk sizes). `mesh=None` uses the global mesh.
     """
     if isinstance(t, DTensor) or not isinstance(t, torch.Tensor):
-        raise TypeError(f"disable_manual_sharding takes this rank's piece as a plain tensor, got {type(t).__name__}")
+        raise TypeError(f"disable_manual_sharding takes this rank's piece as a plain tensor, got {describe(t)}")
     dm = _mesh_or_global(mesh, "disable_manual_sharding")
     shape = tuple(int(s) for s in full_shape)
     layout = layout_of(partition_spec, dm, len(shape), "disable_manual_sharding")
@@ -251,7 +252,7 @@ def shard_map(
     if in_specs is None or out_specs is None:
         raise TypeError("shard_map needs in_specs= (one entry per positional argument) and out_specs=")
     if not callable(fn):
-        raise TypeError(f"shard_map wraps a function, got {type(fn).__name__}")
+        raise TypeError(f"shard_map wraps a function, got {describe(fn)}")
     body = fn
     arg_specs = tuple(in_specs) if isinstance(in_specs, list) else in_specs
 

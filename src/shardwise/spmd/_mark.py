@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._describe import describe
 from .._layout import Layout, ShardOrder, contiguous_strides
 from .._mesh import DeviceMesh
 from .._partition_spec import PartitionSpecLike, to_placements
@@ -50,7 +51,7 @@ def device_mesh_of(mesh: object, what: str) -> DeviceMesh:
         if isinstance(dm, DeviceMesh):
             return dm
     raise TypeError(
-        f"{what}: mesh must be a shardwise DeviceMesh or a shardwise.spmd Mesh, got {type(mesh).__name__}: "
+        f"{what}: mesh must be a shardwise DeviceMesh or a shardwise.spmd Mesh, got {describe(mesh)}: "
         f"build one with shardwise.init_device_mesh(...) or shardwise.spmd.Mesh(...)"
     )
 
@@ -76,7 +77,7 @@ def replicated(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 def _check_tensor(t: object, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} takes a torch.Tensor (plain, DTensor or nn.Parameter), got {type(t).__name__}")
+        raise TypeError(f"{what} takes a torch.Tensor (plain, DTensor or nn.Parameter), got {describe(t)}")
     return t
 
 

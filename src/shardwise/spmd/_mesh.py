@@ -32,6 +32,7 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
+from .._describe import describe
 from .._mesh import AbstractMesh, DeviceMesh, _init_default_group
 
 __all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_mesh"]
@@ -174,15 +175,22 @@ def _check_mesh(
     device_ids: DeviceIds, mesh_shape: Sequence[int], axis_names: Optional[Sequence[str]]
 ) -> tuple[tuple[int, ...], tuple[int, ...], Optional[tuple[str, ...]]]:
     """Every Mesh rule, checked at once; one ValueError (TypeError for wrong kinds) listing them all."""
-    arr = np.asarray(list(device_ids) if isinstance(device_ids, Iterable) else device_ids)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+    try:
+        arr = np.asarray(list(device_ids) if isinstance(device_ids, Iterable) else device_ids)
+    except (ValueError, TypeError):  # ragged or nested: not a flat list
+        arr = np.asarray([None])
+    if isinstance(device_ids, (str, bytes)) or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise TypeError(
-            f"device_ids must be a flat list of int device ids, got {arr.tolist()!r}: pass e.g. "
+            f"device_ids must be a flat list of int device ids, got {device_ids!r}: pass e.g. "
             f"np.arange(n) or a reshaped array's .flatten()"
         )
-    if isinstance(mesh_shape, int) or not all(isinstance(s, (int, np.integer)) for s in mesh_shape):
+    if isinstance(mesh_shape, (int, str, bytes)) or not isinstance(mesh_shape, Iterable) or not all(
+        isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in mesh_shape
+    ):
         raise TypeError(f"mesh_shape must be a tuple of ints, got {mesh_shape!r}: write e.g. (4, 2)")
-    if isinstance(axis_names, str) or (axis_names is not None and not all(isinstance(n, str) for n in axis_names)):
+    if axis_names is not None and (
+        isinstance(axis_names, str) or not isinstance(axis_names, Sequence) or not all(isinstance(n, str) for n in axis_names)
+    ):
         raise TypeError(f"axis_names must be a tuple of str (one per mesh axis), got {axis_names!r}: write e.g. ('x',)")
     ids = tuple(int(i) for i in arr.tolist())
     shape = tuple(int(s) for s in mesh_shape)
@@ -199,8 +207,8 @@ def _check_mesh(
         problems.append(f"axis_names {names} repeats {dups}: every axis needs its own name")
     if math.prod(shape) != len(ids):
         problems.append(
-            f"mesh_shape {shape} holds {math.prod(shape)} devices but device_ids has {len(ids)}: the product of "
-            f"mesh_shape must equal the number of device ids"
+            f"mesh_shape {shape} holds {math.prod(shape)} devices but device_ids {list(ids)} has {len(ids)}: the "
+            f"product of mesh_shape must equal the number of device ids"
         )
     dup_ids = sorted(i for i, n in Counter(ids).items() if n > 1)
     if dup_ids:
@@ -320,7 +328,9 @@ class HybridMesh(Mesh):
 
 
 def _shape_arg(what: str, shape: Sequence[int]) -> tuple[int, ...]:
-    if isinstance(shape, int) or not all(isinstance(s, (int, np.integer)) and s >= 1 for s in shape) or not shape:
+    if not isinstance(shape, (Sequence, np.ndarray)) or isinstance(shape, (str, bytes)) or not len(shape) or not all(
+        isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1 for s in shape
+    ):
         raise ValueError(f"{what} must be a non-empty tuple of positive ints, got {shape!r}")
     return tuple(int(s) for s in shape)
 
@@ -391,7 +401,7 @@ def set_global_mesh(mesh: Optional[Mesh]) -> None:
     global _GLOBAL_MESH
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(
-            f"set_global_mesh takes a shardwise.spmd.Mesh, got {type(mesh).__name__}: convert a DeviceMesh with "
+            f"set_global_mesh takes a shardwise.spmd.Mesh, got {describe(mesh)}: convert a DeviceMesh with "
             f"Mesh.from_device_mesh(device_mesh)"
         )
     _GLOBAL_MESH = mesh

@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from .._describe import describe
 from .._layout import ShardOrder, chunk_range
 from .._partition_spec import PartitionEntry, normalize_partition_spec, to_placements
 from .._placement import Placement
@@ -144,7 +145,7 @@ class ShardingSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
             raise TypeError(
-                f"ShardingSpec(mesh=...) takes a shardwise.spmd.Mesh, got {type(self.mesh).__name__}: convert a "
+                f"ShardingSpec(mesh=...) takes a shardwise.spmd.Mesh, got {describe(self.mesh)}: convert a "
                 f"DeviceMesh with Mesh.from_device_mesh(device_mesh)"
             )
         if not isinstance(self.minibatch, bool):
@@ -207,6 +208,12 @@ class ShardingSpec:
         shardwise layout (trailing pieces may be smaller or empty). XLA instead pads every
         piece to one size; the two agree whenever the sizes divide.
         """
+        if isinstance(global_shape, (str, bytes)) or not isinstance(global_shape, Sequence) or any(
+            isinstance(n, bool) or not hasattr(n, "__index__") for n in global_shape
+        ):
+            raise TypeError(f"shard_indices takes a global shape (ints), got {global_shape!r}: e.g. (8, 4)")
+        if any(n < 0 for n in global_shape):
+            raise ValueError(f"global shape {tuple(global_shape)!r} has a negative size: every size must be >= 0")
         shape = tuple(int(s) for s in global_shape)
         if len(shape) != len(self._dims):
             raise ValueError(

@@ -36,6 +36,7 @@ from typing import Optional
 
 from torch import nn
 
+from ..._describe import describe
 from ._namespace import Namespace, sort_key
 from ._skippable import Skippable
 
@@ -114,6 +115,11 @@ class SkipRoutes:
 def inspect_skip_layout(partitions: Sequence[nn.Module]) -> SkipRoutes:
     """Plan the skip routes of `partitions` (each an `nn.Sequential`, or a single layer);
     torchgpipe's name."""
+    if isinstance(partitions, nn.Module) or not isinstance(partitions, Sequence) or not all(
+        isinstance(p, nn.Module) for p in partitions
+    ):
+        raise TypeError(f"inspect_skip_layout takes a list of partitions (nn.Sequential or layers), got "
+                        f"{describe(partitions)}")
     stashed_at: dict[tuple[Optional[Namespace], str], tuple[int, str]] = {}
     routes: list[SkipRoute] = []
     for j, partition in enumerate(partitions):

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Optional, TypeVar, Union
 
 from torch import Tensor, nn
 
+from ..._describe import describe
 from .._microbatch import Batch
 from ._namespace import Namespace
 from ._tracker import current_skip_tracker
@@ -105,10 +106,13 @@ class Skippable(nn.Module):
         """
         declared = self.stashable_names | self.poppable_names
         if not isinstance(ns, Namespace) or ns is None:
-            raise TypeError(f"isolate() takes a Namespace, got {type(ns).__name__}: use Namespace()")
+            raise TypeError(f"isolate() takes a Namespace, got {describe(ns)}: use Namespace()")
         if isinstance(only, str):
             raise TypeError(f"isolate(only={only!r}) takes a list of names, not a string: use only=[{only!r}]")
-        names = declared if only is None else set(only)
+        listed = None if only is None or not isinstance(only, Iterable) else list(only)
+        if only is not None and (listed is None or not all(isinstance(n, str) for n in listed)):
+            raise TypeError(f"isolate(only=...) takes a list of skip names, got {describe(only)}")
+        names = declared if listed is None else set(listed)
         unknown = sorted(names - declared)
         if unknown:
             raise ValueError(
@@ -204,13 +208,16 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Callable[[t
     original module (same constructor arguments) and run its generator `forward`.
     """
     problems = [f"skippable({arg}={value!r}) takes a list of names, not a string: use {arg}=[{value!r}]"
-                for arg, value in (("stash", stash), ("pop", pop)) if isinstance(value, str)]
+                if isinstance(value, str) else f"skippable({arg}=...) takes a list of names, got {describe(value)}"
+                for arg, value in (("stash", stash), ("pop", pop))
+                if isinstance(value, (str, bytes)) or not isinstance(value, Iterable)]
     if problems:
         raise TypeError("; ".join(problems))
-    stashable_names, poppable_names = frozenset(stash), frozenset(pop)
-    bad = sorted(repr(n) for n in stashable_names | poppable_names if not isinstance(n, str))
+    stash, pop = list(stash), list(pop)
+    bad = sorted({repr(n) for n in stash + pop if not isinstance(n, str)})
     if bad:
         raise TypeError(f"skip names must be strings, got {', '.join(bad)}")
+    stashable_names, poppable_names = frozenset(stash), frozenset(pop)
 
     def wrap(module_cls: type[nn.Module]) -> type[Skippable]:
         attrs = {

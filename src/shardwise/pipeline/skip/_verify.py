@@ -33,6 +33,7 @@ from typing import Optional
 
 from torch import nn
 
+from ..._describe import describe
 from ._namespace import Namespace
 from ._skippable import Skippable
 
@@ -41,6 +42,9 @@ __all__ = ["verify_skippables"]
 
 def verify_skippables(module: nn.Sequential) -> None:
     """Raise one TypeError listing every unmatched stash/pop among `module`'s layers."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"verify_skippables checks an nn.Sequential, got {describe(module)}: skips are matched "
+                        "between the layers of an nn.Sequential")
     stashed: dict[tuple[Optional[Namespace], str], str] = {}
     popped: set[tuple[Optional[Namespace], str]] = set()
     problems: list[str] = []
