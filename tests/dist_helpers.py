@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
@@ -120,3 +122,33 @@ def replies_from_processes(target: Callable[..., None], world: int, args: tuple[
                 proc.kill()
             proc.join(5)
     return results
+
+
+def _outcome_rank(rank: int, port: int, conn: Any, task: tuple[Any, ...]) -> None:
+    world, body, args = task
+    os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = "10"
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=10)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        body(*args)
+        conn.send(("returned", ""))
+    except BaseException as exc:
+        notes = "".join(f"\n{n}" for n in getattr(exc, "__notes__", []))
+        conn.send((type(exc).__name__, f"{exc}{notes}"))
+    conn.close()
+    os._exit(0)  # no teardown: the process group may hold sends and collectives that never complete
+
+
+def run_own_processes(body: Callable[..., None], world: int, *args: Any, deadline: float = 60.0,
+                      forkserver: bool = False) -> list[Any]:
+    """Run `body(*args)` on `world` fresh gloo processes (SHARDWISE_COLLECTIVE_TIMEOUT=10); per
+    rank (exception name, message with its notes) or ("returned", ""), or the exit status of a
+    process that sent nothing (one that was killed). `forkserver`: forked from a server that has
+    imported torch and shardwise (fast), instead of spawned."""
+    if forkserver:
+        mp.get_context("forkserver").set_forkserver_preload(["torch", "shardwise", body.__module__])
+    return replies_from_processes(_outcome_rank, world, (world, body, args), deadline=deadline,
+                                  start_method="forkserver" if forkserver else "spawn",
+                                  no_reply=lambda status: (status, ""))

@@ -41,7 +41,7 @@ from shardwise.pipeline._wire import ChannelPlan
 from shardwise.pipeline.skip import Namespace, inspect_skip_layout, pop, skippable, stash
 from shardwise.testing import distributed, run_distributed
 
-from ..dist_helpers import replies_from_processes
+from ..dist_helpers import run_own_processes
 
 D = 4  # feature width
 ROWS = 10  # batch rows: chunks=4 gives micro-batches of 3, 3, 3 and 1 rows
@@ -414,7 +414,7 @@ def test_argument_errors_name_the_values_and_the_fix() -> None:
                                              r"\[1, 1, 1\], not chunks=4"):
             pipe.step(x, None)
     else:
-        with pytest.raises(PipelineError, match=r"stage 1 on rank 1 stopped in the forward of micro-batch 0 while "
+        with pytest.raises(PipelineError, match=r"stage 1 on rank 1 stopped in the forward of micro-batch 0 of step 1 while "
                                                 r"waiting for the activation of micro-batch 0 \(stage 0 -> 1\) "
                                                 r"from rank 0: stage 0 on rank 0 raised ValueError: the input has 3"):
             pipe.step(None, torch.zeros(4, D))
@@ -449,39 +449,16 @@ def _failing_step(how: str) -> None:
     pipe.step(*batch(8))  # stage 1 (rank 1) fails in the forward of micro-batch 2
 
 
-def _rank_main(rank: int, port: int, conn: Any, task: tuple[Any, ...]) -> None:
-    world, body, args = task
-    os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = "10"
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=10)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    try:
-        body(*args)
-        conn.send(("returned", ""))
-    except BaseException as exc:
-        notes = "".join(f"\n{n}" for n in getattr(exc, "__notes__", []))
-        conn.send((type(exc).__name__, f"{exc}{notes}"))
-    conn.close()
-    os._exit(0)  # no teardown: the process group holds sends that will never be received
-
-
-def run_own_processes(body: Callable[..., None], world: int, *args: Any, deadline: float = 60.0) -> list[Any]:
-    """Run `body(*args)` on `world` fresh processes; per rank (exception name, message), or the exit code."""
-    return replies_from_processes(_rank_main, world, (world, body, args), deadline=deadline,
-                                  no_reply=lambda status: (status, ""))
-
-
 def test_a_stage_that_raises_stops_every_rank_with_a_clear_error() -> None:
     results = run_own_processes(_failing_step, 3, "raise")
-    cause = "stage 1 on rank 1 raised ValueError: boom (in the forward of micro-batch 2)"
-    assert results[1] == ("ValueError", "boom\n(raised by stage 1 on rank 1 in the forward of micro-batch 2; the "
+    cause = "stage 1 on rank 1 raised ValueError: boom (in the forward of micro-batch 2 of step 1)"
+    assert results[1] == ("ValueError", "boom\n(raised by stage 1 on rank 1 in the forward of micro-batch 2 of step 1; the "
                                         "other stages were told and stop with PipelineError)")
     # 1F1B on 3 stages: stage 0 has sent micro-batch 3 and waits for micro-batch 1's gradient;
     # stage 2 waits for micro-batch 2's activation.
-    assert results[0] == ("PipelineError", "stage 0 on rank 0 stopped in the backward of micro-batch 1 while waiting "
+    assert results[0] == ("PipelineError", "stage 0 on rank 0 stopped in the backward of micro-batch 1 of step 1 while waiting "
                                            "for the gradient of micro-batch 1 (stage 1 -> 0) from rank 1: " + cause)
-    assert results[2] == ("PipelineError", "stage 2 on rank 2 stopped in the forward of micro-batch 2 while waiting "
+    assert results[2] == ("PipelineError", "stage 2 on rank 2 stopped in the forward of micro-batch 2 of step 1 while waiting "
                                            "for the activation of micro-batch 2 (stage 1 -> 2) from rank 1: " + cause)
 
 
@@ -491,7 +468,7 @@ def test_a_stage_process_that_dies_stops_every_rank_with_a_clear_error() -> None
     for rank in (0, 2):
         kind, message = results[rank]
         assert kind == "PipelineError", (rank, results[rank])
-        assert re.match(rf"stage {rank} on rank {rank} stopped in the (forward|backward) of micro-batch \d "
+        assert re.match(rf"stage {rank} on rank {rank} stopped in the (forward|backward) of micro-batch \d of step 1 "
                         r"while (waiting for|sending) the (activation|gradient) of micro-batch \d "
                         r"\(stage \d -> \d\) (from|to) rank 1: stage 1 on rank 1 ", message), message
         assert "rank 1 died (process gone)" in message, message  # found in the store: its pid is gone

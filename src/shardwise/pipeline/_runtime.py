@@ -138,6 +138,7 @@ class DistributedPipe(nn.Module):
         self._dp_group = mesh.get_group(dp_dim) if dp_dim is not None else None
         self._dp_size = mesh.size(dp_dim) if dp_dim is not None else 1
         self._broken: Optional[str] = None
+        self._steps = 0  # steps begun, named in errors ("... of micro-batch 2 of step 3")
         self._abandoned: list[comm.P2PWork] = []  # sends no one will receive; their buffers must outlive them
 
     # -- public -------------------------------------------------------------------------------
@@ -190,6 +191,7 @@ class DistributedPipe(nn.Module):
                                "may hold undelivered messages: build a new pipe (after a dead process, new "
                                "process groups too)")
         k = 0
+        self._steps += 1
         failure: Optional[tuple[BaseException, RemoteFailure]] = None
         try:
             run.prepare(input, target)
@@ -204,8 +206,9 @@ class DistributedPipe(nn.Module):
     def _notify(self, exc: BaseException, remaining: list[Action], run: StepRun) -> tuple[BaseException, RemoteFailure]:
         """Tell every stage this rank still owes a message that the step failed; return the error to raise here."""
         action = run.current
-        where = ("before its first micro-batch" if action is None else
-                 f"in the {'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.microbatch}")
+        where = (f"before its first micro-batch of step {self._steps}" if action is None else
+                 f"in the {'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.microbatch} of "
+                 f"step {self._steps}")
         stage = action.stage if action is not None else min(self.stages)
         if isinstance(exc, RemoteFailure):
             relay = exc
