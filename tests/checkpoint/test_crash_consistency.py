@@ -3,7 +3,8 @@ old state or the new one, exactly, never a mix and never nothing.
 
 Each case saves an old checkpoint, then runs a new save on 4 gloo ranks in which one rank
 (`victim`) dies with `os._exit` at one point of the save (`phase`); the survivors' saves
-fail (their peer is gone) and are caught. The directory is then loaded in this process and
+fail (their peer is gone): each must raise a CollectiveError naming the dead rank and saying
+truly which checkpoint the directory holds. The directory is then loaded in this process and
 compared with both states. Kill points are drawn at random (fixed seed) from every rank and
 every phase; phases after the atomic switch must load the new state, all others the old.
 """
@@ -22,7 +23,8 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise import Shard, checkpoint
-from shardwise.testing import DistributedTestError, run_distributed
+
+from ..dist_helpers import run_own_processes
 
 # phase -> whether the new checkpoint is current once a rank dies there
 PHASES = {
@@ -61,7 +63,7 @@ def _whole_then_die(real: Any) -> Any:
     return wrapped
 
 
-def _save_and_die(path: str, victim: int, phase: str) -> None:
+def _save_and_die(path: str, victim: int, phase: str, asynchronous: bool) -> None:
     mesh = sw.init_device_mesh("cpu", (4,))
     new = _new()
     state = {"w": sw.distribute_tensor(new["w"], mesh, [Shard(0)]), "b": new["b"]}
@@ -81,10 +83,10 @@ def _save_and_die(path: str, victim: int, phase: str) -> None:
             patches.append(mock.patch.object(_save, "_sync_directory", _die))
     for p in patches:
         p.start()
-    try:
+    if asynchronous:  # the writing (every phase but the first) happens in the background thread
+        checkpoint.async_save(state, checkpoint_id=path).result(timeout=60)
+    else:
         checkpoint.save(state, checkpoint_id=path)
-    except Exception:
-        pass  # a survivor: its peer died mid-save
 
 
 def _kill_points(n: int) -> list[tuple[int, str]]:
@@ -93,18 +95,30 @@ def _kill_points(n: int) -> list[tuple[int, str]]:
     return points + random.Random(15).sample(points, n - len(points))
 
 
-@pytest.mark.parametrize(("victim", "phase"), _kill_points(20))
+# every kill point of a blocking save, then one per phase of an async save (a random rank)
+CASES = [(v, p, False) for v, p in _kill_points(20)] + [
+    (0 if phase in RANK0_ONLY else random.Random(phase).randrange(4), phase, True) for phase in PHASES
+]
+
+
+@pytest.mark.parametrize(("victim", "phase", "asynchronous"), CASES)
 def test_a_rank_killed_anywhere_in_a_save_leaves_the_old_or_the_new_checkpoint_whole(
-    tmp_path: Path, victim: int, phase: str
+    tmp_path: Path, victim: int, phase: str, asynchronous: bool
 ) -> None:
-    checkpoint.save(_old(), checkpoint_id=tmp_path)
-    with pytest.raises(DistributedTestError, match="17"):
-        run_distributed(_save_and_die, 4, str(tmp_path), victim, phase, timeout=60)
+    directory = tmp_path / "checkpoint"
+    checkpoint.save(_old(), checkpoint_id=directory)
+    outcomes = run_own_processes(_save_and_die, 4, str(directory), victim, phase, asynchronous, forkserver=True)
     state = {"w": torch.zeros(8, 3), "b": torch.zeros(5)}
-    checkpoint.load(state, checkpoint_id=tmp_path)
+    checkpoint.load(state, checkpoint_id=directory)
     expected = _new() if PHASES[phase] else _old()
     for key in state:
         assert torch.equal(state[key], expected[key]), (key, phase, victim)
+    # every survivor raised, naming the dead rank and telling the truth about what the directory holds
+    assert outcomes[victim] == ("exit code 17", ""), outcomes
+    said = "the checkpoint itself is complete" if PHASES[phase] else "still loads the checkpoint it held before"
+    for rank in set(range(4)) - {victim}:
+        kind, message = outcomes[rank]
+        assert kind == "CollectiveError" and said in message and f"rank {victim} died" in message, (rank, outcomes)
     # and the next save that completes cleans what the killed one left
-    checkpoint.save(_new(), checkpoint_id=tmp_path)
-    assert not list(tmp_path.glob(".*.tmp")) and len(list(tmp_path.glob("rank_*.pt"))) == 1
+    checkpoint.save(_new(), checkpoint_id=directory)
+    assert not list(directory.glob(".*.tmp")) and len(list(directory.glob("rank_*.pt"))) == 1

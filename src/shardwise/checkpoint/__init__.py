@@ -24,6 +24,6 @@ ValueError: cannot load the checkpoint '...' into this state dict; nothing was l
 """
 
 from ._load import load
-from ._save import save
+from ._save import SaveFuture, async_save, save
 
-__all__ = ["load", "save"]
+__all__ = ["load", "save", "async_save", "SaveFuture"]

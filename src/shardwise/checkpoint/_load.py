@@ -35,6 +35,7 @@ from ._agree import agree
 from ._files import checkpoint_dir, read_data
 from ._metadata import Entry, Piece, Table, digest, dtype_name, read_metadata
 from ._paths import Path, is_stateful, leaves, put_back, show
+from ._save import finish_pending
 
 __all__ = ["load"]
 
@@ -67,8 +68,10 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
     parameter is then an error, not a silent skip); `strict=False` loads the paths both have
     and leaves the others. All mismatches are reported in one ValueError, before anything is
     changed. A damaged checkpoint (a changed table, a truncated or altered data file, a
-    missing one) is a ValueError naming what is wrong, and changes nothing.
+    missing one) is a ValueError naming what is wrong, and changes nothing. An `async_save`
+    still writing is waited for first.
     """
+    finish_pending()
     directory = checkpoint_dir(checkpoint_id)
     group, size = _load_group(process_group, no_dist)
     made: list[torch.optim.Optimizer] = []

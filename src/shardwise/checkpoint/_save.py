@@ -17,11 +17,15 @@ that another mesh holds the same piece, so the ranks exchange a 63-bit fingerpri
 world) and the lowest rank holding a piece writes it.
 
 The ranks agree four times (an all_gather of a flag per rank, through `_comm`): after
-checking the state dict, after rank 0 removes an older table from the directory, after
-writing the data files, and after rank 0 writes the new table. A failure on any rank stops
-every rank at the next agreement with an error naming the ranks that failed, and the table
-is never written, so a half-written checkpoint is never taken for a complete one. A state
-dict refused before anything is written leaves an older checkpoint in the directory intact.
+checking the state dict (rank 0 also draws the generation that names this save's files),
+after claiming pieces, after writing the data files, and after rank 0 writes the new table.
+A failure on any rank stops every rank at the next agreement with an error naming the ranks
+that failed, and the table is never written, so a half-written checkpoint is never taken
+for a complete one, and the directory keeps loading the checkpoint it held before.
+
+`async_save` does the first two agreements, and takes copies of its pieces, before it
+returns; a thread does the rest, agreeing over a gloo group of its own so that it never
+interleaves with the training's collectives.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import hashlib
 import io
 import json
 import os
+import concurrent.futures
 import secrets
-from collections.abc import Mapping
-from dataclasses import replace
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path as FilePath
 from typing import Any, Optional, Union
 
@@ -45,10 +51,10 @@ from .._redistribute._exchange import Box, piece_boxes
 from .._tensor import DTensor
 from ._agree import agree
 from ._files import checkpoint_dir, read_data, write_atomically
-from ._metadata import Entry, Piece, data_file, digest, dtype_name, write_metadata
+from ._metadata import Entry, Piece, data_file, digest, dtype_name, read_metadata, write_metadata
 from ._paths import Path, is_stateful, leaves, show
 
-__all__ = ["save"]
+__all__ = ["save", "async_save", "SaveFuture"]
 
 
 def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike[str]]) -> None:
@@ -70,9 +76,137 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
     every rank raises (the failed rank its own error, the others a RuntimeError naming it),
     and the directory still loads the checkpoint it held before, if any: the new files are
     written beside the ones its `metadata.json` names and become current only when the new
-    `metadata.json` replaces it, in one atomic rename (see `_metadata`). A completed save
-    removes the files no metadata names (older generations, temporary files of killed saves).
+    `metadata.json` replaces it, in one atomic rename (see `_metadata`). A rank that fails
+    after that rename (rank 0 dying before the others heard it finished) still makes every
+    rank raise, but the errors say the checkpoint is complete, as the directory is then
+    looked at. A completed save removes the files no metadata names (older generations,
+    temporary files of killed saves).
     """
+    finish_pending()
+    _prepare(state_dict, checkpoint_id, staged=False).write(dist.group.WORLD)
+
+
+def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike[str]]) -> SaveFuture:
+    """`save`, with the files written by a background thread while training goes on.
+
+    Everything that needs the state dict or the model's process groups happens before it
+    returns, on every rank: checking the state dict, reducing Partial DTensors, and copying
+    each piece this rank writes to CPU memory (so the next optimizer step may change the
+    parameters at once; the copy costs this rank's share of the checkpoint in host memory
+    until the files are written). A thread then writes the data files and rank 0 the table,
+    the ranks agreeing over a gloo process group of their own (made at the first call, on
+    every rank), with the guarantees of `save`: the directory loads the checkpoint it held
+    before until the new one is complete.
+
+    Returns a `SaveFuture` (a `concurrent.futures.Future`): `result()` waits and raises what
+    the save raised. Only one save runs at a time: the next `save`, `async_save` or `load`
+    waits for this one, and raises its error if nobody asked for it, so a failed save is
+    never silent. Wait for it before `destroy_process_group`.
+    """
+    finish_pending()
+    group = _background_group()
+    job = _prepare(state_dict, checkpoint_id, staged=True)
+    future = SaveFuture(str(job.directory))
+    future.set_running_or_notify_cancel()
+
+    def write() -> None:
+        try:
+            job.write(group)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+
+    thread = threading.Thread(target=write, name=f"shardwise async_save to {str(job.directory)!r}")
+    _PENDING.append(future)
+    thread.start()  # not a daemon: the interpreter waits for it before exiting
+    return future
+
+
+class SaveFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """What `async_save` returns: a Future of None that remembers whether its outcome was asked for."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.directory = directory
+        self.seen = False
+
+    def result(self, timeout: Optional[float] = None) -> None:
+        self.seen = True
+        return super().result(timeout)  # type: ignore[no-any-return]
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        self.seen = True
+        return super().exception(timeout)
+
+
+_PENDING: list[SaveFuture] = []  # the async save in flight, if any (at most one)
+_GROUP: list[tuple[Any, Any]] = []  # (the default process group, the gloo group async saves agree over)
+
+
+def finish_pending() -> None:
+    """Wait for the async save in flight, if any; raise its error if nobody asked for it."""
+    while _PENDING:
+        future = _PENDING.pop()
+        error = concurrent.futures.Future.exception(future)  # waits (without counting as asked)
+        if error is not None and not future.seen:
+            raise RuntimeError(
+                f"the async_save to {future.directory!r} failed, and its result was never asked for: {error}. "
+                f"Nothing new was started. Call .result() on what async_save returns to handle its failures"
+            ) from error
+
+
+def _background_group() -> Any:
+    """The gloo group async saves agree over (None for one process), made once per process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    world = dist.group.WORLD
+    if not _GROUP or _GROUP[0][0] is not world:
+        _GROUP[:] = [(world, dist.new_group(backend="gloo"))]
+    return _GROUP[0][1]
+
+
+@dataclass
+class _Job:
+    """A save checked and agreed on by every rank, its pieces in hand, its files not yet written."""
+
+    directory: FilePath
+    rank: int
+    world: int
+    generation: str
+    entries: list[Entry]
+    values: list[Any]
+    error: Optional[Exception]
+
+    def write(self, group: Any) -> None:
+        """Write this rank's data file; rank 0 the table (the atomic switch); agree after each."""
+        directory, rank, world, generation, error = self.directory, self.rank, self.world, self.generation, self.error
+        size = 0
+        if error is None:
+            try:
+                name = data_file(rank, generation)
+                payload = {"entries": [e.to_json() for e in _sealed(self.entries, self.values)], "values": self.values}
+                write_atomically(directory / name, lambda f: torch.save(payload, f))
+                size = (directory / name).stat().st_size
+            except Exception as exc:
+                error = exc
+        sizes = _agree("writing the data files", error, directory, world, size, group=group)
+        if rank == 0:
+            try:
+                files = {data_file(r, generation): n for r, n in enumerate(sizes)}
+                write_metadata(directory, _merge(directory, world, generation), world, files)  # the atomic switch
+                _sync_directory(directory)
+            except Exception as exc:
+                error = exc
+        _agree("writing metadata.json", error, directory, world, group=group,
+               outcome=lambda: _switch_outcome(directory, generation))
+        if rank == 0:
+            _remove_unnamed(directory, generation)
+
+
+def _prepare(state_dict: Mapping[str, Any], checkpoint_id: Union[str, os.PathLike[str]], staged: bool) -> _Job:
+    """Check the state dict and agree on it, a generation and who writes which piece; reduce
+    Partial DTensors; take this rank's pieces (copied, when `staged`, so the state may change)."""
     directory = checkpoint_dir(checkpoint_id)
     rank, world = _rank_and_world()
     error: Optional[Exception] = None
@@ -81,6 +215,8 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
     try:
         if directory.exists() and not directory.is_dir():
             raise ValueError(f"checkpoint_id {str(directory)!r} is a file: pass a directory (it is created if missing)")
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a dict of names to values, got {type(state_dict).__name__}")
         tree = {key: value.state_dict() if is_stateful(value) else value for key, value in state_dict.items()}
         items = list(leaves(tree))
         _check_values(items)
@@ -97,27 +233,13 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
 
     with torch.no_grad():
         items = [(path, _reduced(leaf) if isinstance(leaf, DTensor) else leaf) for path, leaf in items]
-    size = 0
+    entries: list[Entry] = []
+    values: list[Any] = []
     try:
-        name = data_file(rank, generation)
-        entries, values = _pieces(items, rank, name, taken)
-        payload = {"entries": [e.to_json() for e in entries], "values": values}
-        write_atomically(directory / name, lambda f: torch.save(payload, f))
-        size = (directory / name).stat().st_size
+        entries, values = _pieces(items, rank, data_file(rank, generation), taken, staged)
     except Exception as exc:
-        error = exc
-    sizes = _agree("writing the data files", error, directory, world, size)
-
-    if rank == 0:
-        try:
-            files = {data_file(r, generation): n for r, n in enumerate(sizes)}
-            write_metadata(directory, _merge(directory, world, generation), world, files)  # the atomic switch
-            _sync_directory(directory)
-        except Exception as exc:
-            error = exc
-    _agree("writing metadata.json", error, directory, world)
-    if rank == 0:
-        _remove_unnamed(directory, generation)
+        error = exc  # told to every rank at the next agreement, after the data files
+    return _Job(directory, rank, world, generation, entries, values, error)
 
 
 def _fresh_generation(directory: FilePath) -> int:
@@ -161,12 +283,34 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _agree(step: str, error: Optional[Exception], directory: FilePath, world: int, count: int = 0) -> list[int]:
-    """Every rank's `count` once `step` succeeded on every rank; else raise on every rank."""
-    group = dist.group.WORLD if world > 1 else None
-    return agree(f"save to {str(directory)!r}", step, error, group, world,
-                 "no new metadata.json was written, so the directory still loads the checkpoint it held before "
-                 "(if any)", count)
+_UNCHANGED = ("no new metadata.json was written, so the directory still loads the checkpoint it held before "
+              "(if any)")
+
+
+def _agree(step: str, error: Optional[Exception], directory: FilePath, world: int, count: int = 0,
+           outcome: Union[str, Callable[[], str]] = _UNCHANGED, group: Any = None) -> list[int]:
+    """Every rank's `count` once `step` succeeded on every rank of `group` (the world's group
+    by default); else raise on every rank."""
+    if world == 1:
+        group = None
+    elif group is None:
+        group = dist.group.WORLD
+    return agree(f"save to {str(directory)!r}", step, error, group, world, outcome, count)
+
+
+def _switch_outcome(directory: FilePath, generation: str) -> str:
+    """What a failure around the atomic switch left behind, looked up in the directory: rank 0
+    may have renamed the new metadata.json into place before it (or a peer) failed."""
+    try:
+        named = data_file(0, generation) in (read_metadata(directory).file_sizes or {})
+    except Exception as exc:  # any unreadable table is reported as such
+        return f"metadata.json could not be read back to tell whether this save completed ({exc})"
+    if named:
+        return (f"the checkpoint itself is complete: metadata.json already names this save's files (generation "
+                f"{generation}), so the directory loads the state just saved; only the cleanup of older files "
+                "was not run")
+    return (f"metadata.json did not name this save's files (generation {generation}) when this rank looked, so "
+            "the directory still loads the checkpoint it held before (if any)")
 
 
 def _fingerprint(path: Path, box: Box) -> int:
@@ -222,10 +366,12 @@ def _reduced(leaf: DTensor) -> DTensor:
     return leaf.redistribute(placements=placements, shard_order=leaf.shard_order)
 
 
-def _standalone(t: torch.Tensor) -> torch.Tensor:
-    """`t` on the CPU owning exactly its elements: torch.save writes a view's whole storage."""
+def _standalone(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """`t` on the CPU owning exactly its elements (torch.save writes a view's whole storage);
+    with `copy`, never sharing memory with `t`."""
+    copy = copy and t.device.type == "cpu"  # .cpu() of another device's tensor is a copy already
     t = t.detach().cpu()
-    if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+    if copy or not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone(memory_format=torch.contiguous_format)
     return t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)
 
@@ -262,15 +408,17 @@ def _narrowed(t: torch.Tensor, at: Box) -> torch.Tensor:
     return t
 
 
-def _pieces(items: list[tuple[Path, Any]], rank: int, name: str, taken: set[int]) -> tuple[list[Entry], list[Any]]:
-    """What this rank knows of each leaf (entries) and what it writes (values, by index);
-    pieces whose fingerprint is in `taken` are written by a lower rank."""
+def _pieces(items: list[tuple[Path, Any]], rank: int, name: str, taken: set[int],
+            copy: bool = False) -> tuple[list[Entry], list[Any]]:
+    """What this rank knows of each leaf (entries, not yet `_sealed`) and what it writes
+    (values, by index; with `copy`, sharing no memory with the state dict); pieces whose
+    fingerprint is in `taken` are written by a lower rank."""
     entries: list[Entry] = []
     values: list[Any] = []
 
     def piece(value: Any, box: Box) -> tuple[Piece, ...]:
         values.append(value)
-        return (Piece(name, len(values) - 1, box, digest(value)),)
+        return (Piece(name, len(values) - 1, box),)
 
     for path, leaf in items:
         if isinstance(leaf, DTensor):
@@ -278,16 +426,21 @@ def _pieces(items: list[tuple[Path, Any]], rank: int, name: str, taken: set[int]
             pieces: tuple[Piece, ...] = ()
             for box, at in _my_boxes(leaf):
                 if not (taken and _fingerprint(path, box) in taken):
-                    pieces += piece(_standalone(_narrowed(leaf.to_local(), at)), box)
+                    pieces += piece(_standalone(_narrowed(leaf.to_local(), at), copy), box)
             layout = f"{spec.layout_str()} on mesh {leaf.device_mesh.shape}"
             entries.append(Entry(path, "tensor", tuple(spec.shape), dtype_name(spec.dtype), layout, pieces))
         elif isinstance(leaf, torch.Tensor):
             whole = tuple((0, s) for s in leaf.shape)
-            pieces = piece(_standalone(leaf), whole) if rank == 0 and leaf.numel() else ()
+            pieces = piece(_standalone(leaf, copy), whole) if rank == 0 and leaf.numel() else ()
             entries.append(Entry(path, "tensor", tuple(leaf.shape), dtype_name(leaf.dtype), None, pieces))
         else:
             entries.append(Entry(path, "object", None, None, None, piece(leaf, ()) if rank == 0 else ()))
     return entries, values
+
+
+def _sealed(entries: list[Entry], values: list[Any]) -> list[Entry]:
+    """`entries` with each piece's SHA-256 (of the value it will be read back as)."""
+    return [replace(e, pieces=tuple(replace(p, sha256=digest(values[p.index])) for p in e.pieces)) for e in entries]
 
 
 def _describe(entry: Entry) -> str:
