@@ -44,7 +44,8 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert len(machine["load_average_start"]) == 3 and len(machine["load_average_end"]) == 3
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
-    assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory"}
+    assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "checkpoint",
+                                         "collective_bookkeeping"}
 
 
 def test_every_overhead_row_is_there_for_both_libraries(quick_run: Any) -> None:
@@ -101,6 +102,17 @@ def test_overlap_rows_time_sync_and_async_for_both_libraries(quick_run: Any) -> 
         assert r["check"] == "ok", r  # sync and async both gave the single-device result
         assert isinstance(r["sync_ms"], float) and isinstance(r["async_ms"], float), r
     assert "async redistribute" in proc.stdout
+
+
+def test_checkpoint_and_collective_bookkeeping_rows(quick_run: Any) -> None:
+    proc, record = quick_run
+    rows = {r["case"]: r for r in record["benchmarks"]["checkpoint"]["rows"]}
+    assert list(rows) == ["save", "load", "async_save (until it returns)", "SHA-256 of one rank's share (within save)"]
+    for case in ("save", "load", "async_save (until it returns)"):  # both libraries timed (what loads back was checked)
+        assert isinstance(rows[case]["shardwise"], float) and isinstance(rows[case]["torch"], float), rows[case]
+    paths = [r["path"] for r in record["benchmarks"]["collective_bookkeeping"]["rows"]]
+    assert paths == ["dist.all_reduce", "shardwise door", "door, SHARDWISE_CHECK=1"]
+    assert "checkpoint of" in proc.stdout and "all_reduce of 8 fp32" in proc.stdout
 
 
 def test_entry_point_rejects_unknown_benchmarks() -> None:
