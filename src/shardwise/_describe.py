@@ -15,11 +15,12 @@ its type (and a tensor by its shape).
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["describe"]
+__all__ = ["describe", "as_shape"]
 
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 60
@@ -32,3 +33,14 @@ def describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"{type(value).__name__} of shape {tuple(value.shape)}"
     return f"{_SHORT.repr(value)} ({type(value).__name__})"
+
+
+def as_shape(value: object, what: str) -> tuple[int, ...]:
+    """`value` as a tensor shape (a tuple of ints >= 0); else TypeError / ValueError naming it as `what`."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or any(
+        isinstance(n, bool) or not hasattr(n, "__index__") for n in value
+    ):
+        raise TypeError(f"{what} must be a sequence of ints, got {value!r}: e.g. (8, 4)")
+    if any(n < 0 for n in value):
+        raise ValueError(f"{what} {tuple(value)!r} has a negative size: every size must be >= 0")
+    return tuple(int(n) for n in value)

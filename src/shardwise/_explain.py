@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 import torch
 
+from ._describe import as_shape
 from ._layout import ShardOrderLike, normalize_placements, normalize_shard_order
 from ._mesh import AbstractMesh
 from ._placement import Placement
@@ -30,13 +31,7 @@ def plan_for(
     """The cheapest plan from `src` to `dst` for a tensor of `shape` on `mesh` (pure)."""
     if not isinstance(mesh, AbstractMesh):
         raise TypeError(f"mesh must be an AbstractMesh or a DeviceMesh, got {mesh!r}: e.g. AbstractMesh((2, 4))")
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or any(
-        isinstance(n, bool) or not hasattr(n, "__index__") for n in shape
-    ):
-        raise TypeError(f"shape must be a sequence of ints (the global shape), got {shape!r}: e.g. (8, 4)")
-    if any(n < 0 for n in shape):
-        raise ValueError(f"shape {tuple(shape)!r} has a negative size: give the global shape, every size >= 0")
-    shape = tuple(int(n) for n in shape)
+    shape = as_shape(shape, "shape (the global shape)")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}: e.g. torch.float32")
     ndim = len(shape)

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .._describe import describe
+from .._describe import as_shape, describe
 from .._layout import ShardOrder, chunk_range
 from .._partition_spec import PartitionEntry, normalize_partition_spec, to_placements
 from .._placement import Placement
@@ -208,13 +208,7 @@ class ShardingSpec:
         shardwise layout (trailing pieces may be smaller or empty). XLA instead pads every
         piece to one size; the two agree whenever the sizes divide.
         """
-        if isinstance(global_shape, (str, bytes)) or not isinstance(global_shape, Sequence) or any(
-            isinstance(n, bool) or not hasattr(n, "__index__") for n in global_shape
-        ):
-            raise TypeError(f"shard_indices takes a global shape (ints), got {global_shape!r}: e.g. (8, 4)")
-        if any(n < 0 for n in global_shape):
-            raise ValueError(f"global shape {tuple(global_shape)!r} has a negative size: every size must be >= 0")
-        shape = tuple(int(s) for s in global_shape)
+        shape = as_shape(global_shape, "shard_indices' global shape")
         if len(shape) != len(self._dims):
             raise ValueError(
                 f"global shape {shape} has {len(shape)} dims but partition spec {self.partition_spec} has "
