@@ -87,7 +87,7 @@ def test_pipeline_surface_is_pinned() -> None:
     assert shardwise.pipeline.GPipe is shardwise.pipeline.Pipe  # torchgpipe's name
 
 
-CHECKPOINT = ["load", "save"]
+CHECKPOINT = ["load", "save", "async_save"]
 
 
 def test_checkpoint_surface_is_pinned() -> None:

@@ -26,4 +26,4 @@ ValueError: cannot load the checkpoint '...' into this state dict; nothing was l
 from ._load import load
 from ._save import SaveFuture, async_save, save
 
-__all__ = ["load", "save", "async_save", "SaveFuture"]
+__all__ = ["load", "save", "async_save"]  # torch.distributed.checkpoint's names (SaveFuture is what async_save returns)
