@@ -15,20 +15,16 @@ import os
 import sys
 import weakref
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from ._groups import GROUPS, collective_timeout, crossing_group, group_for
+
 __all__ = ["AbstractMesh", "DeviceMesh", "init_device_mesh", "current_mesh", "get_current_mesh", "collective_timeout"]
 
 MeshDim = Union[int, str]
-
-
-def collective_timeout() -> timedelta:
-    """Timeout of every collective shardwise issues (env `SHARDWISE_COLLECTIVE_TIMEOUT`, seconds)."""
-    return timedelta(seconds=float(os.environ.get("SHARDWISE_COLLECTIVE_TIMEOUT", "300")))
 
 
 class AbstractMesh:
@@ -126,30 +122,6 @@ def _check_names(names: Optional[Sequence[str]], ndim: int) -> Optional[tuple[st
     return names
 
 
-# Process groups are created collectively (every process, same order), so they are kept
-# per slice of ranks and shared by every mesh that needs the same slice.
-_GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
-
-
-def _group_for(ranks: tuple[int, ...], backend: Optional[str]) -> Any:
-    world = dist.group.WORLD
-    if ranks == tuple(range(dist.get_world_size())):
-        return world
-    key = (id(world), ranks)
-    group = _GROUPS.get(key)
-    if group is None:
-        if list(ranks) == sorted(ranks):
-            group = dist.new_group(list(ranks), timeout=collective_timeout(), backend=backend)
-        else:
-            # `new_group` sorts its ranks, but collectives must see the slice in mesh order
-            # (piece j of an all_gather comes from mesh position j): keep the order given
-            group = dist.distributed_c10d._new_group_with_tag(
-                list(ranks), timeout=collective_timeout(), backend=backend, sort_ranks=False
-            )
-        _GROUPS[key] = group
-    return group
-
-
 # Every mesh built in this process, by its ranks, shape and names: a pickled mesh (inside a
 # `torch.save`d DTensor) is found again here on load, without creating process groups.
 _LIVE: weakref.WeakValueDictionary[tuple[Any, ...], DeviceMesh] = weakref.WeakValueDictionary()
@@ -177,7 +149,7 @@ def _find_mesh(device_type: str, ranks: list[int], shape: tuple[int, ...], names
         chosen = None
         for row in grid.movedim(i, -1).reshape(-1, shape[i]).tolist():
             if me in row:
-                chosen = dist.group.WORLD if row == list(range(dist.get_world_size())) else _GROUPS.get((id(dist.group.WORLD), tuple(row)))
+                chosen = dist.group.WORLD if row == list(range(dist.get_world_size())) else GROUPS.get((id(dist.group.WORLD), tuple(row)))
                 if chosen is None:
                     raise ValueError(
                         f"loading a DTensor saved on {described}: this process has no such mesh; create it on every "
@@ -250,19 +222,20 @@ class DeviceMesh(AbstractMesh):
             return dist.group.WORLD, tuple(ranks)
         if not create:
             return None
-        group = _group_for(tuple(sorted(ranks)), "nccl" if self.device_type == "cuda" else None)
+        group = group_for(tuple(sorted(ranks)), "nccl" if self.device_type == "cuda" else None)
         if self._coordinate is None:
             return None
         return group, tuple(dist.get_group_rank(group, r) for r in ranks)
 
     def _create_groups(self) -> tuple[Any, ...]:
         backend = "nccl" if self.device_type == "cuda" else None
+        crossing_group(backend)  # made with the first mesh (collectively), for moves between meshes
         mine: list[Any] = []
         for i in range(self.ndim):
             moved = self._grid.movedim(i, -1).reshape(-1, self.shape[i])
             chosen = None
             for row in moved.tolist():
-                group = _group_for(tuple(row), backend)
+                group = group_for(tuple(row), backend)
                 if self._coordinate is not None and dist.get_rank() in row:
                     chosen = group
             mine.append(chosen)

@@ -24,7 +24,8 @@ import torch.utils._pytree as pytree
 
 from .. import _comm
 from .._spec import DTensorSpec
-from ._redistribute import redistribute_local, start_redistribute
+from ._cross import move_local
+from ._redistribute import start_redistribute
 
 __all__ = ["Pending", "adopt", "redistribute_async", "resolve"]
 
@@ -75,14 +76,17 @@ def redistribute_async(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) 
 
     A plan of one collective is issued here with the process group's own `async_op` (no
     thread of ours in between); a longer plan runs on `_comm`'s worker thread."""
-    coordinate = src.mesh.get_coordinate()  # type: ignore[attr-defined]
-    shape = dst.local_shape_and_offset(coordinate)[0] if coordinate is not None else tuple(local.shape)
-    started = start_redistribute(resolve(local), src, dst)
+    coordinate = dst.mesh.get_coordinate()  # type: ignore[attr-defined]
+    if coordinate is not None:
+        shape = dst.local_shape_and_offset(coordinate)[0]
+    else:
+        shape = tuple(local.shape) if src.mesh == dst.mesh else (() if dst.ndim == 0 else (0,))
+    started = start_redistribute(resolve(local), src, dst) if src.mesh == dst.mesh else None
     if started is not None:
         return Pending(started, shape, local.dtype, local.device)
 
     def run() -> torch.Tensor:
-        return redistribute_local(resolve(local), src, dst)
+        return move_local(resolve(local), src, dst)
 
     return Pending(_comm.run_async(run), shape, local.dtype, local.device)
 

@@ -8,7 +8,7 @@ single-device gradient, redistributed to the layout the other side expects.
 |---|---|---|
 | `FromLocal` | a local piece becomes a DTensor of `spec` | the gradient in `spec`'s layout (Partial as Replicate); a P(avg) term's is 1/n of it |
 | `ToLocal` | a DTensor's piece as a plain tensor | the plain gradient as a DTensor of `grad_spec` |
-| `Redistribute` | the DTensor in another layout (optionally in the background, optionally cast first) | the gradient moved back to the source layout (Partial as Replicate), optionally in another dtype, and cast to the source's |
+| `Redistribute` | the DTensor in another layout, on its mesh or another (optionally in the background, optionally cast first) | the gradient moved back to the source layout and mesh (Partial as Replicate), optionally in another dtype, and cast to the source's |
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from .._placement import Partial, Replicate
 from .._spec import DTensorSpec
 from ._async import adopt, redistribute_async, resolve
+from ._cross import move_local
 from ._redistribute import redistribute_local
 from ._wrap import DTensorBase, wrap
 
@@ -68,7 +69,7 @@ class Redistribute(torch.autograd.Function):
             out = wrap(pending, target, x.requires_grad)
             adopt(pending, out)
             return out
-        return wrap(redistribute_local(resolve(local), spec, target), target, x.requires_grad)
+        return wrap(move_local(resolve(local), spec, target), target, x.requires_grad)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
@@ -78,7 +79,7 @@ class Redistribute(torch.autograd.Function):
         if cast is not None and cast != local.dtype:  # moved back in `backward_dtype`
             local = local.to(cast)
             have = have.with_meta(have.tensor_meta._replace(dtype=cast))
-        back = redistribute_local(local, have, grad_target(spec))
+        back = move_local(local, have, grad_target(spec))
         return wrap(back.to(spec.dtype), grad_target(spec)), None, None, None
 
 

@@ -164,6 +164,12 @@ class DTensor(DTensorBase, role="plain"):
     ) -> DTensor:
         """This tensor in another layout, moved with the fewest bytes (see `explain_redistribute`).
 
+        `device_mesh` other than this tensor's mesh moves it there (any two meshes: disjoint,
+        overlapping, the same ranks in another shape or order; `placements` are then for the
+        new mesh): Partials are reduced on this mesh, then each rank sends every rank of the
+        new mesh the part of its piece that rank needs and does not hold, point to point;
+        ranks in neither mesh do nothing. Every rank of either mesh must call it.
+
         `forward_dtype`: cast the piece to it before moving (the result has that dtype, and
         the collectives move its bytes); `backward_dtype`: the gradient travels back in it and
         is cast to this tensor's dtype on arrival (mixed-precision communication, as torch).
@@ -177,22 +183,26 @@ class DTensor(DTensorBase, role="plain"):
         does everything inside `shardwise.compile`'s trace.
         """
         spec = self._spec
-        if device_mesh is not None and device_mesh != spec.mesh:
-            raise NotImplementedError(
-                f"redistribute across meshes ({spec.mesh!r} -> {device_mesh!r}) is not supported yet: "
-                f"use full_tensor() and distribute_tensor() onto the new mesh"
-            )
+        mesh = spec.mesh if device_mesh is None else device_mesh
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
         if placements is None:
+            if mesh.ndim != spec.mesh.ndim:
+                raise ValueError(
+                    f"redistribute onto mesh {tuple(mesh.shape)} from mesh {tuple(spec.mesh.shape)} needs placements "
+                    f"for the new mesh ({mesh.ndim} of them): the current {spec.layout_str()} has one per old mesh dim"
+                )
             placements = spec.placements
-        target = normalize_placements(placements, spec.mesh.ndim, self.ndim)
-        for i, (old, new) in enumerate(zip(spec.placements, target)):
+        target = normalize_placements(placements, mesh.ndim, self.ndim)
+        before = spec.placements if mesh == spec.mesh else (None,) * mesh.ndim  # Partial stays only where it is
+        for i, (old, new) in enumerate(zip(before, target)):
             if isinstance(new, Partial) and new != old:
                 raise ValueError(
                     f"cannot redistribute {spec.layout_str()} to {new} on mesh dim {i}: Partial is produced by "
                     f"ops (e.g. a sharded contraction), not requested; use Replicate() or Shard(dim)"
                 )
         order = normalize_shard_order(target, shard_order, self.ndim)
-        target_spec = spec.with_placements(target, order)
+        target_spec = DTensorSpec(mesh, target, spec.tensor_meta, order)
         if forward_dtype is not None and forward_dtype != spec.dtype:
             target_spec = target_spec.with_meta(spec.tensor_meta._replace(dtype=forward_dtype))
         if target_spec == spec and backward_dtype is None:

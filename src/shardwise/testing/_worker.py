@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from .._groups import POINT_TO_POINT
 from ._asserts import import_rewritten
 
 __all__ = ["Done", "Raised", "serve", "HARNESS_DIR"]
@@ -123,8 +124,10 @@ def _raised(exc: BaseException) -> Raised:
 
 def _collective_counts() -> dict[str, int]:
     # Every collective, point-to-point included, advances a group's sequence number on
-    # each member; members that disagree have issued different collectives.
-    return {pg.group_name: pg._get_sequence_number_for_group() for pg in c10d._world.pg_map}  # type: ignore[attr-defined]
+    # each member; members that disagree have issued different collectives. The group of
+    # moves between meshes carries point-to-point messages only, which differ by nature.
+    return {pg.group_name: pg._get_sequence_number_for_group() for pg in c10d._world.pg_map  # type: ignore[attr-defined]
+            if pg.group_name not in POINT_TO_POINT}
 
 
 class _Fresh:
