@@ -22,6 +22,11 @@ With a `dp` mesh dim, each data-parallel replica runs its own pipeline on its ow
 averages its parameters' gradients over its dp group, bucketed, one `all_reduce` per
 bucket; a parameter that no replica gave a gradient keeps `grad=None`.
 
+With a `tp` mesh dim and a `tp_plan`, each stage is tensor-parallel over the ranks that
+share its pp and dp index (see `_tensor_parallel`): activations that are DTensors travel as
+each rank's piece to the rank of the next stage with the same tp index, and the dp
+average takes each parameter's piece.
+
 Shared parameters: stages on different pp ranks may use one parameter (embeddings tied to
 the LM head). Each of those ranks keeps its own copy; after the step they sum their
 gradients (one all_reduce per set of ranks, in a group of just those ranks), so every
@@ -41,7 +46,7 @@ process like a mesh's groups; `close()` releases it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -51,10 +56,12 @@ from torch import Tensor, nn
 from .. import _comm as comm
 from .._describe import describe
 from .._mesh import DeviceMesh, collective_timeout
+from .._tensor import DTensor, from_local
 from ._microbatch import BatchValue, gather
 from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ._stage import PipelineStage, split_module
 from ._step import StepRun
+from ._tensor_parallel import check_tp_plan, shard_stage, tp_dim_of
 from ._wire import ChannelPlan, PipelineError, RemoteFailure, Wire
 from .skip._routes import inspect_skip_layout
 
@@ -73,6 +80,10 @@ class DistributedPipe(nn.Module):
             and `"1f1b"`, a multiple of it for `"interleaved"` (stage `s` on pp rank `s % pp`).
         mesh: a `DeviceMesh` with dim `pp_dim`, and optionally a data-parallel dim.
         dp_dim: the data-parallel mesh dim (default: `"dp"` when the mesh has one).
+        tp_dim: the tensor-parallel mesh dim (default: `"tp"` when the mesh has one).
+        tp_plan: module patterns of the whole model -> ParallelStyles (as `parallelize_module`
+            takes): each stage shards the layers it holds over its tp sub-mesh, and DTensor
+            activations cross to the next stage piece by piece (see `_tensor_parallel`).
         schedule: `"gpipe"` (fill-drain), `"1f1b"` or `"interleaved"` (1F1B with
             `virtual_stages` stages per rank; `chunks` must be a multiple of the pp size).
         chunks: micro-batches per step (`Tensor.chunk` along dim 0; each must be non-empty).
@@ -98,7 +109,9 @@ class DistributedPipe(nn.Module):
     partitions: nn.ModuleDict
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], mesh: DeviceMesh, *, pp_dim: str = "pp",
-                 dp_dim: Optional[str] = None, schedule: str = "gpipe", virtual_stages: Optional[int] = None,
+                 dp_dim: Optional[str] = None, tp_dim: Optional[str] = None,
+                 tp_plan: Optional[Mapping[str, Any]] = None, schedule: str = "gpipe",
+                 virtual_stages: Optional[int] = None,
                  chunks: int = 1, checkpoint: str = "except_last", loss_fn: Optional[LossFn] = None,
                  device: Optional[torch.device | str] = None, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
@@ -108,8 +121,10 @@ class DistributedPipe(nn.Module):
         if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
             raise TypeError(f"balance must be a list of layers per stage, got {describe(balance)}: e.g. [2, 2]")
         balance = list(balance)
-        dp_dim = _check_arguments(mesh, pp_dim, dp_dim, schedule, virtual_stages, len(balance), chunks)
+        dp_dim, tp_dim = _check_arguments(mesh, pp_dim, dp_dim, tp_dim, tp_plan, schedule, virtual_stages,
+                                          len(balance), chunks)
         partitions = split_module(module, balance, chunks=chunks, checkpoint=checkpoint, allow_shared=True)
+        check_tp_plan(tp_plan, partitions)
         pp = mesh.size(pp_dim)
         self.mesh, self.pp_dim, self.dp_dim = mesh, pp_dim, dp_dim
         self.chunks, self.checkpoint, self.loss_fn, self.balance = chunks, checkpoint, loss_fn, balance
@@ -124,6 +139,9 @@ class DistributedPipe(nn.Module):
         self.skip_routes = inspect_skip_layout(partitions)  # every partition's declarations, once
         local = self.schedule.rank_stages(self.pp_rank)
         mine = {j: partitions[j].to(self.device) for j in local}
+        self.tp_dim, self.tp_mesh = tp_dim, mesh[tp_dim] if tp_dim is not None else None
+        for part in mine.values():  # each stage's layers sharded over its tp sub-mesh
+            shard_stage(part, self.tp_mesh, tp_plan)
         self.partitions = nn.ModuleDict({str(j): part for j, part in mine.items()})
         self.stages = {j: PipelineStage(part, j, len(balance), self.rank) for j, part in mine.items()}
         self.num_stages = len(balance)
@@ -133,7 +151,7 @@ class DistributedPipe(nn.Module):
         self.plan = ChannelPlan(self.num_stages, self.skip_routes,
                                 [pp_ranks[self.schedule.stage_rank(s)] for s in range(self.num_stages)])
         self._group = _p2p_group(mesh, mesh.mesh_dim_index(pp_dim))
-        self._wire = Wire(self._group, self.device, len(self.plan.channels))
+        self._wire = Wire(self._group, self.device, len(self.plan.channels), tp_mesh=self.tp_mesh)
         self._shared = _shared_groups(mesh, mesh.mesh_dim_index(pp_dim), shared, self.partitions)
         self._dp_group = mesh.get_group(dp_dim) if dp_dim is not None else None
         self._dp_size = mesh.size(dp_dim) if dp_dim is not None else 1
@@ -154,7 +172,9 @@ class DistributedPipe(nn.Module):
         self._execute(run, self.schedule.rank_order(self.pp_rank), input, target)
         self._sum_shared_gradients()
         self._reduce_gradients()
-        return run.loss if self._holds(self.num_stages - 1) else None
+        if not self._holds(self.num_stages - 1):
+            return None
+        return run.loss.full_tensor() if isinstance(run.loss, DTensor) else run.loss
 
     def forward(self, input: Optional[BatchValue] = None) -> Optional[BatchValue]:
         """Forward only, without autograd: the joined outputs on the last stage's rank, `None` elsewhere."""
@@ -292,21 +312,35 @@ class DistributedPipe(nn.Module):
             return
         params = [p for p in self.parameters() if p.requires_grad]
         grads = [p.grad for p in params]
-        try:
-            averaged = comm.all_reduce_coalesced(grads, self._dp_group, self._dp_size, "avg", templates=params,
+        try:  # a tensor-parallel parameter's piece is averaged with the same piece of the other replicas
+            averaged = comm.all_reduce_coalesced([_piece(g) for g in grads], self._dp_group, self._dp_size, "avg",
+                                                 templates=[p.to_local() if isinstance(p, DTensor) else p for p in params],
                                                  bucket_bytes=int(self.bucket_cap_mb * 2**20))
         except RuntimeError as exc:
             raise PipelineError(
                 f"rank {self.rank}: averaging gradients over {self.dp_dim!r} failed ({exc}): a rank of another "
                 "data-parallel replica probably failed in this step") from exc
-        for p, piece in zip(params, averaged):
+        for p, g, piece in zip(params, grads, averaged):
             if piece is not None:
-                p.grad = piece.clone()
+                p.grad = _like(piece.clone(), g if g is not None else p)
 
 
-def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], schedule: str,
-                     virtual_stages: Optional[int], num_stages: int, chunks: int) -> Optional[str]:
-    """Problems with the mesh and the schedule, raised together; returns the dp dim."""
+def _piece(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(piece: Tensor, ref: Tensor) -> Tensor:
+    """`piece` as `ref` is: a DTensor of its layout when `ref` is one."""
+    if not isinstance(ref, DTensor):
+        return piece
+    return from_local(piece, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride(),
+                      shard_order=ref.shard_order)
+
+
+def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_dim: Optional[str],
+                     tp_plan: Optional[Mapping[str, Any]], schedule: str, virtual_stages: Optional[int],
+                     num_stages: int, chunks: int) -> tuple[Optional[str], Optional[str]]:
+    """Problems with the mesh and the schedule, raised together; returns the dp and tp dims."""
     problems: list[str] = []
     names = mesh.mesh_dim_names or ()
     if pp_dim not in names:
@@ -320,10 +354,13 @@ def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], sched
     elif dp_dim is not None and dp_dim not in names:
         problems.append(f"dp_dim={dp_dim!r} is not a dim of the mesh (dims: {names}): name the mesh's data-parallel "
                         "dim, or leave dp_dim=None for a mesh without one")
-    others = [n for n in names if n not in (pp_dim, dp_dim)]
+    tp_dim, tp_problems = tp_dim_of(mesh, pp_dim, dp_dim, tp_dim, tp_plan)
+    problems += tp_problems
+    others = [n for n in names if n not in (pp_dim, dp_dim, tp_dim)]
     if others:
-        problems.append(f"mesh dims {others} are neither the pp dim ({pp_dim!r}) nor the dp dim ({dp_dim!r}): "
-                        "DistributedPipe runs over a (pp,) or (pp, dp) mesh; slice the mesh (mesh['pp', 'dp'])")
+        problems.append(f"mesh dims {others} are not the pp dim ({pp_dim!r}), the dp dim ({dp_dim!r}) or the tp dim "
+                        f"({tp_dim!r}): DistributedPipe runs over (pp,), (pp, dp), (pp, tp) or (pp, dp, tp) meshes; "
+                        "slice the mesh (mesh['pp', 'dp']) or name the dims")
     if schedule not in SCHEDULES:
         problems.append(f"schedule={schedule!r} is not one of {SCHEDULES}")
     if pp_dim in names and schedule in SCHEDULES:
@@ -347,7 +384,7 @@ def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], sched
     if problems:
         raise ValueError(problems[0] if len(problems) == 1 else f"{len(problems)} problems with the "
                          "DistributedPipe arguments:\n" + "\n".join(f"  - {p}" for p in problems))
-    return dp_dim
+    return dp_dim, tp_dim
 
 
 class _Shared(NamedTuple):

@@ -35,6 +35,8 @@ import torch
 from torch import Tensor
 
 from .. import _comm as comm
+from .._layout import contiguous_strides
+from .._tensor import DTensor, from_local
 from ._schedule import Action
 from .skip._routes import SkipRoutes
 from .skip._namespace import Namespace
@@ -152,12 +154,24 @@ class _Slot:
     k: int
 
 
+@dataclass(frozen=True)
+class _DSlot(_Slot):
+    """Tensor number `k` is this rank's piece of a DTensor of `shape` in `placements`: it
+    becomes one again on the receiving stage's tensor-parallel mesh (the matching rank of
+    the same coordinate holds the same piece there, so nothing is gathered)."""
+
+    placements: tuple[Any, ...]
+    shard_order: Any
+    shape: tuple[int, ...]
+
+
 class Wire:
     """Sends and receives a pipeline's messages for one rank over `group` (tensors on `device`)."""
 
-    def __init__(self, group: Any, device: torch.device, num_channels: int) -> None:
+    def __init__(self, group: Any, device: torch.device, num_channels: int, tp_mesh: Any = None) -> None:
         self.group = group
         self.device = device
+        self.tp_mesh = tp_mesh  # where DTensors that arrive live (the stage's tensor-parallel sub-mesh)
         self.num_channels = num_channels
         self.pending: list[comm.P2PWork] = []  # sends of this step, waited at its end
         self.mailbox: dict[tuple[int, int], Any] = {}
@@ -248,13 +262,16 @@ class Wire:
         for work in works:
             work.wait()
         tensors = [t.view(torch.bool) if dtype == torch.bool else t for t, (_, dtype) in zip(tensors, specs)]
-        return _leaves(_unflatten(skeleton, tensors), requires_grad)
+        return _leaves(_unflatten(skeleton, tensors, self.tp_mesh, label), requires_grad)
 
 
 def _flatten(value: Any) -> tuple[Any, list[Tensor]]:
     tensors: list[Tensor] = []
 
     def slot(v: Any) -> Any:
+        if isinstance(v, DTensor):
+            tensors.append(v.to_local().detach())
+            return _DSlot(len(tensors) - 1, tuple(v.placements), v.shard_order, tuple(v.shape))
         if isinstance(v, Tensor):
             tensors.append(v.detach())
             return _Slot(len(tensors) - 1)
@@ -264,8 +281,14 @@ def _flatten(value: Any) -> tuple[Any, list[Tensor]]:
     return skeleton, tensors
 
 
-def _unflatten(skeleton: Any, tensors: list[Tensor]) -> Any:
+def _unflatten(skeleton: Any, tensors: list[Tensor], tp_mesh: Any = None, label: str = "a message") -> Any:
     def fill(v: Any) -> Any:
+        if isinstance(v, _DSlot):
+            if tp_mesh is None:
+                raise TypeError(f"{label} is a DTensor, but this stage has no tensor-parallel mesh to put it on: give "
+                                "DistributedPipe a mesh with a tp dim (and a tp_plan), or send plain tensors")
+            return from_local(tensors[v.k], tp_mesh, v.placements, shape=v.shape, stride=contiguous_strides(v.shape),
+                              shard_order=v.shard_order)
         return tensors[v.k] if isinstance(v, _Slot) else v
 
     return tuple(fill(v) for v in skeleton) if isinstance(skeleton, tuple) else fill(skeleton)
