@@ -87,6 +87,14 @@ def test_shardwise_run_launches_an_example_script_on_two_processes() -> None:
     assert "rank 0 of 2: holds (32, 16) of (64, 16); output and gradients equal one process" in out
 
 
+def test_the_weight_sync_example_moves_the_lower_bound_to_a_disjoint_inference_mesh() -> None:
+    out = _run("run", "-n", "6", "examples/weight_sync.py")
+    for step in range(3):
+        for rank in (4, 5):  # each serving rank receives its half of the 8,512 weight bytes, exactly
+            assert f"step {step}: rank {rank} received 4256 B of weights (lower bound 4256 B)" in out, out
+    assert out.count("the served model's output equals the trained model's: True") == 2, out
+
+
 @pytest.mark.parametrize("argv", [["run", "--help"], ["run", "-h"], ["run", "-n", "2", "--help"]])
 def test_shardwise_run_help_prints_usage_and_torchruns_options(argv: list[str]) -> None:
     # regression: `shardwise run --help` said "no script to run" and exited 2
