@@ -8,6 +8,12 @@ stage 0 sends only its rows to the rank of stage 1 with the same tp index. Train
 parameter after every step, agree to 1e-10; the activation bytes each rank sends per
 micro-batch are its piece's, half the micro-batch's. On 8 ranks the same pipeline runs on
 each of 2 data-parallel replicas with half the batch each.
+
+Then the demo's GPT (embeddings tied to the LM head across the first and last stage) on a
+(pp, dp, tp) = (2, 2, 2) mesh of 8 processes with 1F1B, Megatron cuts over tp, vocab-split
+logits under loss_parallel, and ZeRO-3 over dp: 5 AdamW steps with the one-process
+parameters after every step (float64, 1e-10), every large matrix holding a quarter of its
+elements per rank, and each stage-boundary message exactly the rank's activation piece.
 """
 
 from __future__ import annotations
@@ -115,3 +121,96 @@ def _refused() -> None:
 
 def test_contradictory_tensor_parallel_arguments_are_refused() -> None:
     run_distributed(_refused, 4, timeout=60)
+
+
+# -- the demo's GPT, 3-D: pp x dp x tp with 1F1B and ZeRO-3 ----------------------------------------
+
+GPT_STEPS, GPT_BATCH, GPT_CHUNKS = 5, 8, 2
+SAME_NAME = {"embed.tok.weight": "tok.weight", "embed.pos.weight": "pos.weight", "final.ln_f.weight": "ln_f.weight",
+             "final.ln_f.bias": "ln_f.bias", "final.head.weight": "tok.weight"}  # the head is tied to the tokens
+
+
+def _gpt_plan() -> dict[str, Any]:
+    from shardwise import Replicate
+
+    col, row = ColwiseParallel(use_local_output=False), RowwiseParallel(use_local_output=False)
+    return {"embed.tok": RowwiseParallel(input_layouts=Replicate(), use_local_output=False),
+            "block*.attn.[qkv]": col, "block*.attn.proj": row, "block*.mlp.up": col, "block*.mlp.down": row,
+            "final.head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+
+
+def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from shardwise._demo.model import loss_fn
+    from shardwise.parallel import loss_parallel
+
+    with loss_parallel():  # vocab-split logits
+        return loss_fn(logits, targets)
+
+
+def _gpt() -> Any:
+    from shardwise._demo.data import CharData
+    from shardwise._demo.model import CharGPT, CharGPTConfig
+
+    data = CharData()
+    torch.manual_seed(0)
+    return CharGPT(CharGPTConfig(vocab=data.vocab)).double(), data
+
+
+def _gpt_reference() -> list[tuple[float, dict[str, torch.Tensor]]]:
+    from shardwise._demo.model import loss_fn
+
+    model, data = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    out = []
+    for step in range(GPT_STEPS):
+        x, y = data.batch(step, GPT_BATCH, model.cfg.seq)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append((loss.item(), {n: p.detach().clone() for n, p in model.named_parameters()}))
+    return out
+
+
+def _gpt_3d() -> dict[str, Any]:
+    from shardwise._demo.model import pipeline_layers
+
+    mesh = sw.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    model, data = _gpt()
+    pipe = DistributedPipe(pipeline_layers(model), [2, 2], mesh, tp_plan=_gpt_plan(), shard_parameters=True,
+                           schedule="1f1b", chunks=GPT_CHUNKS, loss_fn=_gpt_loss)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.01)
+    d = mesh.get_local_rank("dp")
+    losses, params, activation_bytes = [], [], []
+    for step in range(GPT_STEPS):
+        x, y = data.batch(step, GPT_BATCH, model.cfg.seq)
+        with comm_log() as records:
+            loss = pipe.step(x.chunk(2)[d], y.chunk(2)[d])
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+        params.append({n.split(".", 2)[2]: p.full_tensor().detach().clone() for n, p in pipe.named_parameters()})
+        sent = [r for r in records if isinstance(r, P2PRecord) and r.op == "send" and "activation" in r.label]
+        activation_bytes.append([r.bytes_sent for r in sent[2::3]])
+    sharded = {n: (tuple(p.to_local().shape), tuple(p.shape), tuple(p.placements)) for n, p in pipe.named_parameters()}
+    return {"losses": losses, "params": params, "activation_bytes": activation_bytes, "sharded": sharded,
+            "stage": mesh.get_local_rank("pp"), "d_model": model.cfg.d_model, "seq": model.cfg.seq}
+
+
+def test_the_demo_gpt_trains_on_pp_dp_tp_with_1f1b_and_zero3_like_one_process() -> None:
+    reference = _gpt_reference()
+    results = run_distributed(_gpt_3d, 8, timeout=600)
+    for rank, r in enumerate(results):
+        for step, (want_loss, want_params) in enumerate(reference):
+            for name, value in r["params"][step].items():
+                torch.testing.assert_close(value, want_params[SAME_NAME.get(name, name.replace("block", "blocks.", 1))],
+                                           rtol=0, atol=1e-10, msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+        # ZeRO-3 over dp on top of tp: the big matrices hold a quarter of their elements on each rank
+        big = {n: v for n, v in r["sharded"].items() if n.endswith(("q.weight", "up.weight", "down.weight"))}
+        assert big and all(math.prod(local) * 4 == math.prod(whole) for local, whole, _ in big.values()), big
+        if r["stage"] == 0:  # the activation crossing to stage 1: a replicated (tp) piece of the micro-batch, as is
+            piece = GPT_BATCH // 2 // GPT_CHUNKS * r["seq"] * r["d_model"] * 8
+            assert r["activation_bytes"] == [[piece] * GPT_CHUNKS] * GPT_STEPS, r["activation_bytes"]
+    for step, (want_loss, _) in enumerate(reference):  # the two dp replicas' mean losses average to the batch's
+        halves = [r["losses"][step] for r in results if r["losses"][step] is not None]
+        assert len(halves) == 4 and abs(sum(halves) / 4 - want_loss) < 1e-10, (step, halves, want_loss)

@@ -10,13 +10,14 @@ sharding the module turns them into a DTensor like everything else it holds (a p
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CharGPT", "CharGPTConfig", "loss_fn"]
+__all__ = ["CharGPT", "CharGPTConfig", "loss_fn", "pipeline_layers"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +108,37 @@ class CharGPT(nn.Module):
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Embed(nn.Module):
+    """The first pipeline layer: token + position embeddings (the model's own modules)."""
+
+    positions: torch.Tensor
+
+    def __init__(self, model: CharGPT) -> None:
+        super().__init__()
+        self.tok, self.pos = model.tok, model.pos
+        self.register_buffer("positions", model.positions.clone(), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.tok(idx) + self.pos(self.positions[: idx.shape[1]])
+        return out
+
+
+class Final(nn.Module):
+    """The last pipeline layer: final LayerNorm and the LM head (tied to `Embed.tok`)."""
+
+    def __init__(self, model: CharGPT) -> None:
+        super().__init__()
+        self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.ln_f(x))
+        return out
+
+
+def pipeline_layers(model: CharGPT) -> nn.Sequential:
+    """`model` as a sequence of layers for a pipeline (`embed`, `block0`, ..., `final`),
+    sharing its modules and parameters: the same function, cut where stages may begin."""
+    layers = [("embed", Embed(model))] + [(f"block{i}", b) for i, b in enumerate(model.blocks)]
+    return nn.Sequential(OrderedDict(layers + [("final", Final(model))]))

@@ -57,6 +57,7 @@ from .. import _comm as comm
 from .._describe import describe
 from .._mesh import DeviceMesh, collective_timeout
 from .._tensor import DTensor, from_local
+from ..parallel._data_parallel import data_parallel
 from ._microbatch import BatchValue, gather
 from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ._stage import PipelineStage, split_module
@@ -81,6 +82,9 @@ class DistributedPipe(nn.Module):
         mesh: a `DeviceMesh` with dim `pp_dim`, and optionally a data-parallel dim.
         dp_dim: the data-parallel mesh dim (default: `"dp"` when the mesh has one).
         tp_dim: the tensor-parallel mesh dim (default: `"tp"` when the mesh has one).
+        shard_parameters: ZeRO-3 over dp: each stage's parameters (and gradients and optimizer
+            state) split over the dp dim as `data_parallel(shard_parameters=True)` does,
+            gathered for compute, gradients reduce-scattered in each backward.
         tp_plan: module patterns of the whole model -> ParallelStyles (as `parallelize_module`
             takes): each stage shards the layers it holds over its tp sub-mesh, and DTensor
             activations cross to the next stage piece by piece (see `_tensor_parallel`).
@@ -110,7 +114,7 @@ class DistributedPipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], mesh: DeviceMesh, *, pp_dim: str = "pp",
                  dp_dim: Optional[str] = None, tp_dim: Optional[str] = None,
-                 tp_plan: Optional[Mapping[str, Any]] = None, schedule: str = "gpipe",
+                 tp_plan: Optional[Mapping[str, Any]] = None, shard_parameters: bool = False, schedule: str = "gpipe",
                  virtual_stages: Optional[int] = None,
                  chunks: int = 1, checkpoint: str = "except_last", loss_fn: Optional[LossFn] = None,
                  device: Optional[torch.device | str] = None, bucket_cap_mb: float = 25.0) -> None:
@@ -123,6 +127,9 @@ class DistributedPipe(nn.Module):
         balance = list(balance)
         dp_dim, tp_dim = _check_arguments(mesh, pp_dim, dp_dim, tp_dim, tp_plan, schedule, virtual_stages,
                                           len(balance), chunks)
+        if shard_parameters and dp_dim is None:
+            raise ValueError("shard_parameters=True splits parameters over the data-parallel dim, but the mesh has "
+                             "none: build it with a 'dp' dim (e.g. ('pp', 'dp', 'tp')) or pass dp_dim=")
         partitions = split_module(module, balance, chunks=chunks, checkpoint=checkpoint, allow_shared=True)
         check_tp_plan(tp_plan, partitions)
         pp = mesh.size(pp_dim)
@@ -138,14 +145,18 @@ class DistributedPipe(nn.Module):
         pp_ranks = mesh.ranks_along(pp_dim)
         self.skip_routes = inspect_skip_layout(partitions)  # every partition's declarations, once
         local = self.schedule.rank_stages(self.pp_rank)
+        shared = _shared_across_ranks(partitions, self.schedule.stage_rank)  # before sharding makes new objects
         mine = {j: partitions[j].to(self.device) for j in local}
         self.tp_dim, self.tp_mesh = tp_dim, mesh[tp_dim] if tp_dim is not None else None
-        for part in mine.values():  # each stage's layers sharded over its tp sub-mesh
+        for part in mine.values():  # each stage's layers sharded over its tp sub-mesh (and over dp: ZeRO-3)
             shard_stage(part, self.tp_mesh, tp_plan)
+            if shard_parameters:
+                data_parallel(part, mesh[tuple(d for d in (dp_dim, tp_dim) if d is not None)], dp_dim=dp_dim,
+                              shard_parameters=True, bucket_cap_mb=bucket_cap_mb)
+        self.shard_parameters = shard_parameters
         self.partitions = nn.ModuleDict({str(j): part for j, part in mine.items()})
         self.stages = {j: PipelineStage(part, j, len(balance), self.rank) for j, part in mine.items()}
         self.num_stages = len(balance)
-        shared = _shared_across_ranks(partitions, self.schedule.stage_rank)
         del partitions, mine  # the other ranks' layers are not kept here
 
         self.plan = ChannelPlan(self.num_stages, self.skip_routes,
@@ -294,27 +305,29 @@ class DistributedPipe(nn.Module):
         for shared in self._shared:
             if shared.group is None:
                 continue
-            try:
-                summed = comm.all_reduce_coalesced([p.grad for p in shared.params], shared.group, len(shared.holders),
-                                                   "sum", templates=shared.params,
+            grads = [p.grad for p in shared.params]
+            try:  # a tensor-parallel copy's piece, with the same piece of the other copies
+                summed = comm.all_reduce_coalesced([_piece(g) for g in grads], shared.group, len(shared.holders),
+                                                   "sum", templates=[_local(p) for p in shared.params],
                                                    bucket_bytes=int(self.bucket_cap_mb * 2**20))
             except RuntimeError as exc:
                 raise PipelineError(
                     f"rank {self.rank}: summing the gradients of {shared.names} over the pp ranks "
                     f"{list(shared.holders)} that share them failed ({exc}): one of them probably failed") from exc
-            for p, piece in zip(shared.params, summed):
+            for p, g, piece in zip(shared.params, grads, summed):
                 if piece is not None:
-                    p.grad = piece.clone()
+                    p.grad = _like(piece.clone(), g if g is not None else p)
 
     def _reduce_gradients(self) -> None:
-        """Average this rank's gradients over dp: one all_reduce per bucket of about `bucket_cap_mb`."""
-        if self._dp_group is None or self._dp_size == 1:
+        """Average this rank's gradients over dp: one all_reduce per bucket of about `bucket_cap_mb`
+        (under `shard_parameters`, data parallel has reduced them in backward already)."""
+        if self._dp_group is None or self._dp_size == 1 or self.shard_parameters:
             return
         params = [p for p in self.parameters() if p.requires_grad]
         grads = [p.grad for p in params]
         try:  # a tensor-parallel parameter's piece is averaged with the same piece of the other replicas
             averaged = comm.all_reduce_coalesced([_piece(g) for g in grads], self._dp_group, self._dp_size, "avg",
-                                                 templates=[p.to_local() if isinstance(p, DTensor) else p for p in params],
+                                                 templates=[_local(p) for p in params],
                                                  bucket_bytes=int(self.bucket_cap_mb * 2**20))
         except RuntimeError as exc:
             raise PipelineError(
@@ -326,6 +339,10 @@ class DistributedPipe(nn.Module):
 
 
 def _piece(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -395,26 +412,28 @@ class _Shared(NamedTuple):
 
 
 def _shared_across_ranks(partitions: Sequence[nn.Module], stage_rank: Callable[[int], int]
-                         ) -> list[tuple[tuple[int, ...], str, int]]:
-    """(pp indices, name, id) of every trainable parameter that stages on different pp ranks use."""
-    seen: dict[int, tuple[str, list[int]]] = {}
+                         ) -> list[tuple[tuple[int, ...], str, dict[int, str]]]:
+    """(pp indices, name, its name in each stage that uses it) of every trainable parameter
+    that stages on different pp ranks use (found by identity, so before any stage is sharded)."""
+    seen: dict[int, tuple[str, list[int], dict[int, str]]] = {}
     for j, part in enumerate(partitions):
-        for name, p in part.named_parameters():
+        for name, p in part.named_parameters(remove_duplicate=False):
             if p.requires_grad:
-                holders = seen.setdefault(id(p), (f"{j}.{name}", []))[1]
+                _, holders, where = seen.setdefault(id(p), (f"{j}.{name}", [], {}))
+                where.setdefault(j, name)
                 if stage_rank(j) not in holders:
                     holders.append(stage_rank(j))
-    return [(tuple(sorted(holders)), name, key) for key, (name, holders) in seen.items() if len(holders) > 1]
+    return [(tuple(sorted(holders)), name, where) for name, holders, where in seen.values() if len(holders) > 1]
 
 
-def _shared_groups(mesh: DeviceMesh, pp_index: int, shared: list[tuple[tuple[int, ...], str, int]],
-                   local: nn.Module) -> list[_Shared]:
+def _shared_groups(mesh: DeviceMesh, pp_index: int, shared: list[tuple[tuple[int, ...], str, dict[int, str]]],
+                   local: nn.ModuleDict) -> list[_Shared]:
     """One process group per set of pp ranks sharing parameters, in every pp slice (every
     process creates them all, in the same order, as `new_group` requires)."""
-    mine = {id(p): p for p in local.parameters()}
-    by_holders: dict[tuple[int, ...], list[tuple[str, int]]] = {}
-    for holders, name, key in shared:
-        by_holders.setdefault(holders, []).append((name, key))
+    by_holders: dict[tuple[int, ...], list[tuple[str, Optional[nn.Parameter]]]] = {}
+    for holders, name, where in shared:  # this rank's copy: by its name in a stage it holds
+        here = [local[str(j)].get_parameter(n) for j, n in where.items() if str(j) in local]
+        by_holders.setdefault(holders, []).append((name, here[0] if here else None))
     pp = mesh.shape[pp_index]
     rows = mesh.mesh.movedim(pp_index, -1).reshape(-1, pp).tolist()
     backend = "nccl" if mesh.device_type == "cuda" else None
@@ -426,7 +445,7 @@ def _shared_groups(mesh: DeviceMesh, pp_index: int, shared: list[tuple[tuple[int
             made = dist.new_group(ranks, timeout=collective_timeout(), backend=backend)
             if dist.get_rank() in ranks:
                 group = made
-        params = [mine[key] for _, key in entries if key in mine]
+        params = [p for _, p in entries if p is not None]
         out.append(_Shared(holders, [name for name, _ in entries], group if params else None, params))
     return out
 

@@ -70,5 +70,5 @@ def shard_stage(part: nn.Module, tp_mesh: Optional[DeviceMesh], tp_plan: Optiona
         return
     names = [name for name, _ in part.named_modules() if name]
     mine = {k: style for k, style in tp_plan.items() if any(match(k, name) for name in names)}
-    if mine:
-        parallelize_module(part, tp_mesh, mine)
+    if mine:  # the stage's other parameters become replicated DTensors, so its ops see DTensors only
+        parallelize_module(part, tp_mesh, mine, replicate_rest=True)
