@@ -112,6 +112,17 @@ def test_shardwise_demo_command_trains_compares_and_draws(tmp_path: Path) -> Non
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_demo_runs_3d_on_pp_dp_tp_and_prints_the_schedule() -> None:
+    out = _run("demo", "--mesh", "2x2x2", "--steps", "3")
+    assert "CharGPT on a 2 (pp) x 2 (dp) x 2 (tp) mesh of 8 cpu processes" in out, out
+    assert "parity: max |sharded - single process|" in out and ": equal" in out, out
+    assert "the 1F1B schedule of the 2 pipeline stages" in out and "rank 1 |" in out, out
+    # each rank holds about an eighth of the model's parameters, gradients and optimizer state
+    ratios = [float(line.split()[-1].rstrip("x")) for line in out.splitlines() if line.strip().endswith("x")
+              and line.split()[0].isdigit()]
+    assert len(ratios) == 8 and all(r < 0.2 for r in ratios), out
+
+
 def test_a_rank_failing_in_a_launched_script_ends_the_run_at_once(tmp_path: Path) -> None:
     # init_device_mesh registers a barrier and destroy_process_group at exit (see _EXIT_ABORT);
     # a rank failing with an uncaught exception must skip that barrier, so its peer, blocked in

@@ -7,11 +7,16 @@ trained with AdamW for about a minute. At the end rank 0 prints the loss curve n
 single-process run of the same training (they must agree to 1e-4), the memory each rank
 holds against the unsharded model, and a picture of how each parameter is laid out (also
 written as a PNG). Under torchrun directly: `torchrun --nproc-per-node=4 -m shardwise.demo`.
+
+`--mesh 2x2x2` (pp x dp x tp, 8 processes) trains the same model as a 1F1B pipeline of two
+stages, each tensor parallel over tp and ZeRO-3 data parallel over dp, and prints the
+pipeline's schedule in place of the layout picture.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Optional
@@ -22,7 +27,8 @@ PARITY = 1e-4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mesh", default="2x2", help="dp x tp, e.g. 2x2, 4x1, 1x4 (default 2x2)")
+    parser.add_argument("--mesh", default="2x2", help="dp x tp, e.g. 2x2, 4x1, 1x4 (default 2x2); or pp x dp x tp, "
+                        "e.g. 2x2x2: a 1F1B pipeline of tensor-parallel, ZeRO-3 stages")
     parser.add_argument("--steps", type=int, default=150, help="training steps (default 150, about a minute on 2 cores)")
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: dp * tp)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (nccl)")
@@ -34,11 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tour", action="store_true", help="instead: a tour of layouts and redistributions")
 
 
-def _mesh(text: str) -> tuple[int, int]:
+def _mesh(text: str) -> tuple[int, ...]:
     parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"--mesh takes dp x tp as two positive numbers, like 2x2, got {text!r}")
-    return int(parts[0]), int(parts[1])
+    if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--mesh takes dp x tp (like 2x2) or pp x dp x tp (like 2x2x2) as positive numbers, "
+                         f"got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def main(args: Optional[argparse.Namespace] = None) -> int:
@@ -51,25 +58,26 @@ def main(args: Optional[argparse.Namespace] = None) -> int:
 
         return tour()
     try:
-        dp, tp = _mesh(args.mesh)
+        mesh = _mesh(args.mesh)
     except ValueError as exc:
         print(f"shardwise demo: {exc}", file=sys.stderr)
         return 2
-    nproc = args.nproc or dp * tp
-    if nproc != dp * tp:
-        print(f"shardwise demo: --nproc {nproc} does not fill the mesh {dp}x{tp} ({dp * tp} processes)", file=sys.stderr)
+    size = math.prod(mesh)
+    nproc = args.nproc or size
+    if nproc != size:
+        print(f"shardwise demo: --nproc {nproc} does not fill the mesh {args.mesh} ({size} processes)", file=sys.stderr)
         return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _worker(args, (dp, tp))
+        return _worker(args, mesh)
     from ._launch import launch
 
-    flags = [f"--mesh={dp}x{tp}", f"--steps={args.steps}", f"--device={args.device}", f"--png={args.png}",
+    flags = [f"--mesh={'x'.join(map(str, mesh))}", f"--steps={args.steps}", f"--device={args.device}", f"--png={args.png}",
              "--compare" if args.compare else "--no-compare",
              "--shard-parameters" if args.shard_parameters else "--no-shard-parameters"]
     return launch(["-n", str(nproc), "-m", "shardwise.demo", *flags])
 
 
-def _worker(args: argparse.Namespace, mesh: tuple[int, int]) -> int:
+def _worker(args: argparse.Namespace, mesh: tuple[int, ...]) -> int:
     import torch.distributed as dist
 
     from ._demo.report import report
@@ -78,14 +86,23 @@ def _worker(args: argparse.Namespace, mesh: tuple[int, int]) -> int:
     cfg = DemoConfig(mesh=mesh, steps=args.steps, device=args.device, shard_parameters=args.shard_parameters)
     rank = int(os.environ["RANK"])
     if rank == 0:
-        print(f"shardwise demo: CharGPT on a {mesh[0]} (dp) x {mesh[1]} (tp) mesh of {mesh[0] * mesh[1]} "
-              f"{args.device} processes, {cfg.steps} AdamW steps, global batch {cfg.batch}", flush=True)
-    result = train_sharded(cfg, progress_bar(cfg.steps) if rank == 0 else None)
+        dims = " x ".join(f"{n} ({d})" for n, d in zip(mesh, ("pp", "dp", "tp") if len(mesh) == 3 else ("dp", "tp")))
+        print(f"shardwise demo: CharGPT on a {dims} mesh of {math.prod(mesh)} {args.device} processes, "
+              f"{cfg.steps} AdamW steps, global batch {cfg.batch}", flush=True)
+    schedule = None
+    if len(mesh) == 3:
+        from ._demo.pipelined import train_pipelined
+        from .pipeline import Timeline
+
+        result, pipe = train_pipelined(cfg, progress_bar(cfg.steps) if rank == 0 else None)
+        schedule = Timeline.from_schedule(pipe.schedule).render_text(width=72)
+    else:
+        result = train_sharded(cfg, progress_bar(cfg.steps) if rank == 0 else None)
     memory = _gather_memory(result)
     ok = True
     if rank == 0:
         reference = train_reference(cfg) if args.compare else None
-        ok = report(cfg, result, memory, reference, args.png, PARITY)
+        ok = report(cfg, result, memory, reference, args.png, PARITY, schedule)
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -14,8 +14,9 @@ _SPARK = " .:-=+*#%@"
 
 
 def report(cfg: Any, result: Any, memory: Sequence[dict[str, int]], reference: Optional[list[float]],
-           png_path: str, tolerance: float) -> bool:
-    """Print the report; False if the loss curves disagree by more than `tolerance`."""
+           png_path: str, tolerance: float, schedule: Optional[str] = None) -> bool:
+    """Print the report; False if the loss curves disagree by more than `tolerance`. A
+    pipelined run (`schedule`: its picture) shows the schedule instead of the layouts."""
     ok = True
     losses = result.losses
     tps = result.tokens / result.seconds if result.seconds else 0.0
@@ -35,6 +36,13 @@ def report(cfg: Any, result: Any, memory: Sequence[dict[str, int]], reference: O
         print(f"parity: max |sharded - single process| = {worst:.1e} over {len(losses)} steps "
               f"(tolerance {tolerance:.0e}): {verdict}")
     _memory(memory)
+    if schedule is not None:
+        pp, dp, tp = cfg.mesh
+        print(f"\nthe 1F1B schedule of the {pp} pipeline stages (one row per pp rank; F/B = forward/backward of a "
+              f"micro-batch; each stage is {dp} (dp, ZeRO-3) x {tp} (tp) ranks running it in step):")
+        for line in schedule.splitlines():
+            print("  " + line)
+        return ok
     dp, tp = cfg.mesh
     layouts = [p for p in result.layouts if isinstance(p, ParamLayout)]
     print(f"\nhow each parameter is laid out on the {dp} (dp) x {tp} (tp) mesh (rank = dp * {tp} + tp):")

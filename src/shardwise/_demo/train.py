@@ -28,7 +28,7 @@ __all__ = ["DemoConfig", "DemoResult", "manual_plan", "progress_bar", "train_ref
 
 @dataclass(frozen=True)
 class DemoConfig:
-    mesh: tuple[int, int] = (2, 2)  # (dp, tp)
+    mesh: tuple[int, ...] = (2, 2)  # (dp, tp), or (pp, dp, tp) for the pipelined run (see `pipelined`)
     steps: int = 150
     batch: int = 16  # global: split over dp
     lr: float = 3e-3
