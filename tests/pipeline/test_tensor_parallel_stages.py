@@ -14,11 +14,15 @@ Then the demo's GPT (embeddings tied to the LM head across the first and last st
 logits under loss_parallel, and ZeRO-3 over dp: 5 AdamW steps with the one-process
 parameters after every step (float64, 1e-10), every large matrix holding a quarter of its
 elements per rank, and each stage-boundary message exactly the rank's activation piece.
+
+Last, a skip connection whose stashed tensor is a column-split DTensor goes straight from
+stage 0 to the popping layer in stage 1 as each rank's piece, with exact gradients.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,6 +35,7 @@ from shardwise import DTensor, Shard, comm_log
 from shardwise._comm import P2PRecord
 from shardwise.parallel import ColwiseParallel, RowwiseParallel
 from shardwise.pipeline import DistributedPipe
+from shardwise.pipeline.skip import pop, skippable, stash
 from shardwise.testing import run_distributed
 
 D, H, ROWS, CHUNKS, STEPS = 8, 16, 8, 2, 3
@@ -214,3 +219,57 @@ def test_the_demo_gpt_trains_on_pp_dp_tp_with_1f1b_and_zero3_like_one_process() 
     for step, (want_loss, _) in enumerate(reference):  # the two dp replicas' mean losses average to the batch's
         halves = [r["losses"][step] for r in results if r["losses"][step] is not None]
         assert len(halves) == 4 and abs(sum(halves) / 4 - want_loss) < 1e-10, (step, halves, want_loss)
+
+
+# -- a skip connection carrying a DTensor from stage to stage -------------------------------------
+
+@skippable(stash=["h"])
+class _Stash(nn.Module):
+    def forward(self, x: torch.Tensor) -> Iterator[Any]:
+        yield stash("h", x)  # the hidden activation, split by columns over tp
+        return x
+
+
+@skippable(pop=["h"])
+class _Pop(nn.Module):
+    def forward(self, x: torch.Tensor) -> Iterator[Any]:
+        h = yield pop("h")
+        return x * h
+
+
+def _skip_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, H), _Stash(), nn.Linear(H, D), nn.Linear(D, H), _Pop(), nn.Linear(H, D)).double()
+
+
+SKIP_PLAN = {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel(use_local_output=False),
+             "3": ColwiseParallel(use_local_output=False), "5": RowwiseParallel()}
+
+
+def _skip_across_tp_stages() -> dict[str, Any]:
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pipe = DistributedPipe(_skip_model(), [3, 3], mesh, tp_plan=SKIP_PLAN, schedule="1f1b", chunks=CHUNKS,
+                           loss_fn=F.mse_loss)
+    x, y = _batch(0)
+    with comm_log() as records:
+        loss = pipe.step(x, y)
+    skips = [r.bytes_sent for r in records if isinstance(r, P2PRecord) and r.op == "send" and "skip 'h'" in r.label
+             and "gradient" not in r.label]
+    grads = {name.split(".", 2)[2]: p.grad.full_tensor() for name, p in pipe.named_parameters()}
+    return {"loss": None if loss is None else loss.item(), "grads": grads, "skip_pieces": skips[2::3]}
+
+
+def test_a_skip_connection_carries_a_dtensor_piece_straight_to_the_popping_stage() -> None:
+    model = _skip_model()
+    x, y = _batch(0)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    results = run_distributed(_skip_across_tp_stages, 4, timeout=120)
+    for rank, r in enumerate(results):
+        for name, g in r["grads"].items():
+            torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, rtol=0, atol=1e-10,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+        if r["loss"] is not None:
+            assert abs(r["loss"] - loss.item()) < 1e-10
+        else:  # stage 0 sends each micro-batch's skip as its column piece: rows x H / 2 float64
+            assert r["skip_pieces"] == [ROWS // CHUNKS * H // 2 * 8] * CHUNKS, r["skip_pieces"]
