@@ -148,6 +148,7 @@ def cross_move(src: DTensorSpec, dst: DTensorSpec) -> CrossMove:
 
 
 _MOVES: dict[tuple[DTensorSpec, DTensorSpec], CrossMove] = {}
+_ROUTES: dict[tuple[DTensorSpec, DTensorSpec], Routes] = {}
 
 
 def _region(t: torch.Tensor, box: Box) -> torch.Tensor:
@@ -192,7 +193,10 @@ def cross_redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensor
     try:
         piece = redistribute_local(local, src, move.before) if in_src else local.new_empty((0,))
         out_shape = None if coordinate is None else move.after.local_shape_and_offset(coordinate)[0]
-        out = _cross(piece, move.plan.routes(dist.get_rank()), out_shape, f"a piece of {describe_cross(src, dst)}")
+        routes = _ROUTES.get((src, dst))
+        if routes is None:  # this rank's part of the plan, read off once per move
+            routes = _ROUTES[(src, dst)] = move.plan.routes(dist.get_rank())
+        out = _cross(piece, routes, out_shape, f"a piece of {describe_cross(src, dst)}")
         if out is None:
             return empty_piece(dst.tensor_meta, local.device)
         return redistribute_local(out, move.after, dst)
