@@ -15,6 +15,7 @@ Ranks in neither mesh do nothing. The move is built once per pair of specs and c
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -161,6 +162,30 @@ def _shape(box: Box) -> tuple[int, ...]:
     return tuple(length for _, length in box)
 
 
+def _check_peers(routes: Routes, what: str) -> None:
+    """SHARDWISE_CHECK: this rank and each of its peers swap a digest of the move (fixed size,
+    so the check cannot itself mismatch); a peer running another move is a CollectiveError
+    naming both, before any piece of a wrong size is sent."""
+    group, me = crossing_group(), dist.get_rank()
+    digest = int.from_bytes(hashlib.blake2b(what.encode(), digest_size=8).digest(), "big") >> 1
+    peers = sorted({p for p, _ in routes.sends} | {p for p, _ in routes.recvs})
+    theirs = {p: torch.empty(1, dtype=torch.int64) for p in peers}
+    label = f"the SHARDWISE_CHECK digest of {what}"
+    works = [comm.irecv(theirs[p], p, group, tag=TAG + 1, label=label) for p in peers]
+    works += [comm.isend(torch.tensor([digest]), p, group, tag=TAG + 1, label=label) for p in peers]
+    for work in works:
+        work.wait()
+    other = [p for p in peers if int(theirs[p]) != digest]
+    if other:
+        ranks = ", ".join(map(str, other))
+        raise comm.CollectiveError(
+            [what], me, ranks=sorted({me, *other}),
+            elsewhere={p: "another move between meshes" for p in other},
+            reason=f"the ranks disagree (SHARDWISE_CHECK): rank {me} issues {what}; rank{'s' if len(other) > 1 else ''} "
+                   f"{ranks} issue{'s' if len(other) == 1 else ''} another move between meshes (its shape, dtype, "
+                   f"layouts or meshes differ)")
+
+
 def _cross(piece: torch.Tensor, routes: Routes, out_shape: Optional[tuple[int, ...]], label: str) -> Optional[torch.Tensor]:
     """Post every receive, then every send, of this rank's routes; wait; assemble the target
     piece of `out_shape` (None on a rank outside the target mesh)."""
@@ -196,6 +221,8 @@ def cross_redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensor
         routes = _ROUTES.get((src, dst))
         if routes is None:  # this rank's part of the plan, read off once per move
             routes = _ROUTES[(src, dst)] = move.plan.routes(dist.get_rank())
+        if comm.checking():
+            _check_peers(routes, f"{describe_cross(src, dst)} ({str(dst.dtype).removeprefix('torch.')})")
         out = _cross(piece, routes, out_shape, f"a piece of {describe_cross(src, dst)}")
         if out is None:
             return empty_piece(dst.tensor_meta, local.device)
