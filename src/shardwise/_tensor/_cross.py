@@ -162,17 +162,17 @@ def _shape(box: Box) -> tuple[int, ...]:
     return tuple(length for _, length in box)
 
 
-def _check_peers(routes: Routes, what: str) -> None:
+def _check_peers(routes: Routes, what: str, device: torch.device) -> None:
     """SHARDWISE_CHECK: this rank and each of its peers swap a digest of the move (fixed size,
     so the check cannot itself mismatch); a peer running another move is a CollectiveError
     naming both, before any piece of a wrong size is sent."""
     group, me = crossing_group(), dist.get_rank()
     digest = int.from_bytes(hashlib.blake2b(what.encode(), digest_size=8).digest(), "big") >> 1
     peers = sorted({p for p, _ in routes.sends} | {p for p, _ in routes.recvs})
-    theirs = {p: torch.empty(1, dtype=torch.int64) for p in peers}
+    theirs = {p: torch.empty(1, dtype=torch.int64, device=device) for p in peers}
     label = f"the SHARDWISE_CHECK digest of {what}"
     works = [comm.irecv(theirs[p], p, group, tag=TAG + 1, label=label) for p in peers]
-    works += [comm.isend(torch.tensor([digest]), p, group, tag=TAG + 1, label=label) for p in peers]
+    works += [comm.isend(torch.tensor([digest], device=device), p, group, tag=TAG + 1, label=label) for p in peers]
     for work in works:
         work.wait()
     other = [p for p in peers if int(theirs[p]) != digest]
@@ -222,8 +222,8 @@ def cross_redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensor
         if routes is None:  # this rank's part of the plan, read off once per move
             routes = _ROUTES[(src, dst)] = move.plan.routes(dist.get_rank())
         if comm.checking():
-            _check_peers(routes, f"{describe_cross(src, dst)} ({str(dst.dtype).removeprefix('torch.')})")
-        out = _cross(piece, routes, out_shape, f"a piece of {describe_cross(src, dst)}")
+            _check_peers(routes, f"{describe_cross(src, dst)} ({str(dst.dtype).removeprefix('torch.')})", local.device)
+        out = _cross(piece, routes, out_shape, "a piece of the moved tensor")  # the error adds which move
         if out is None:
             return empty_piece(dst.tensor_meta, local.device)
         return redistribute_local(out, move.after, dst)
