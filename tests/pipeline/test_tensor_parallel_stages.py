@@ -273,3 +273,30 @@ def test_a_skip_connection_carries_a_dtensor_piece_straight_to_the_popping_stage
             assert abs(r["loss"] - loss.item()) < 1e-10
         else:  # stage 0 sends each micro-batch's skip as its column piece: rows x H / 2 float64
             assert r["skip_pieces"] == [ROWS // CHUNKS * H // 2 * 8] * CHUNKS, r["skip_pieces"]
+
+
+# -- interleaved 1F1B: two tensor-parallel stages on each pp rank ---------------------------------
+
+def _four_stages() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D))]).double()
+
+
+def _interleaved() -> dict[str, torch.Tensor]:
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    plan = {f"{3 * i}": ColwiseParallel() for i in range(4)}
+    plan.update({f"{3 * i + 2}": RowwiseParallel(use_local_output=False) for i in range(4)})  # R DTensors cross
+    pipe = DistributedPipe(_four_stages(), [3] * 4, mesh, tp_plan=plan, schedule="interleaved", chunks=2,
+                           loss_fn=F.mse_loss)
+    pipe.step(*_batch(0))
+    return {name.split(".", 2)[2]: p.grad.full_tensor() for name, p in pipe.named_parameters()}
+
+
+def test_interleaved_stages_are_tensor_parallel_too() -> None:
+    model = _four_stages()
+    F.mse_loss(model(_batch(0)[0]), _batch(0)[1]).backward()
+    want = dict(model.named_parameters())
+    for rank, grads in enumerate(run_distributed(_interleaved, 4, timeout=120)):
+        assert len(grads) == 8  # two stages of two linears each on every rank
+        for name, g in grads.items():
+            torch.testing.assert_close(g, want[name].grad, rtol=0, atol=1e-10, msg=lambda m: f"rank {rank} {name}: {m}")
