@@ -45,7 +45,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "checkpoint",
-                                         "collective_bookkeeping"}
+                                         "collective_bookkeeping", "cross_mesh"}
 
 
 def test_every_overhead_row_is_there_for_both_libraries(quick_run: Any) -> None:
@@ -113,6 +113,15 @@ def test_checkpoint_and_collective_bookkeeping_rows(quick_run: Any) -> None:
     paths = [r["path"] for r in record["benchmarks"]["collective_bookkeeping"]["rows"]]
     assert paths == ["dist.all_reduce", "shardwise door", "door, SHARDWISE_CHECK=1"]
     assert "checkpoint of" in proc.stdout and "all_reduce of 8 fp32" in proc.stdout
+
+
+def test_cross_mesh_rows_move_the_lower_bound(quick_run: Any) -> None:
+    proc, record = quick_run
+    rows = record["benchmarks"]["cross_mesh"]["rows"]
+    assert len(rows) == 3 and "redistribute to another mesh" in proc.stdout
+    for r in rows:  # both checked against the tensor; the busiest rank receives exactly the lower bound
+        assert r["check"] == "ok" and r["received"] == r["bound"] > 0, r
+        assert isinstance(r["shardwise"], float) and isinstance(r["torch"], float), r
 
 
 def test_entry_point_rejects_unknown_benchmarks() -> None:
