@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ import shardwise as sw
 from shardwise import DTensor, Shard, comm_log
 from shardwise._comm import P2PRecord
 from shardwise.parallel import ColwiseParallel, RowwiseParallel
+from shardwise.parallel._data_parallel import _Reducer
 from shardwise.pipeline import DistributedPipe
 from shardwise.pipeline.skip import pop, skippable, stash
 from shardwise.testing import run_distributed
@@ -186,11 +188,13 @@ def _gpt_3d() -> dict[str, Any]:
                            schedule="1f1b", chunks=GPT_CHUNKS, loss_fn=_gpt_loss)
     opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3, weight_decay=0.01)
     d = mesh.get_local_rank("dp")
-    losses, params, activation_bytes = [], [], []
+    losses, params, activation_bytes, flushes = [], [], [], []
     for step in range(GPT_STEPS):
         x, y = data.batch(step, GPT_BATCH, model.cfg.seq)
-        with comm_log() as records:
+        with comm_log() as records, mock.patch.object(_Reducer, "flush", autospec=True,
+                                                      side_effect=_Reducer.flush) as flush:
             loss = pipe.step(x.chunk(2)[d], y.chunk(2)[d])
+        flushes.append(flush.call_count)  # the dp average of replicated gradients: once per step
         opt.step()
         opt.zero_grad()
         losses.append(None if loss is None else loss.item())
@@ -199,6 +203,7 @@ def _gpt_3d() -> dict[str, Any]:
         activation_bytes.append([r.bytes_sent for r in sent[2::3]])
     sharded = {n: (tuple(p.to_local().shape), tuple(p.shape), tuple(p.placements)) for n, p in pipe.named_parameters()}
     return {"losses": losses, "params": params, "activation_bytes": activation_bytes, "sharded": sharded,
+            "flushes": flushes,
             "stage": mesh.get_local_rank("pp"), "d_model": model.cfg.d_model, "seq": model.cfg.seq}
 
 
@@ -210,6 +215,7 @@ def test_the_demo_gpt_trains_on_pp_dp_tp_with_1f1b_and_zero3_like_one_process() 
             for name, value in r["params"][step].items():
                 torch.testing.assert_close(value, want_params[SAME_NAME.get(name, name.replace("block", "blocks.", 1))],
                                            rtol=0, atol=1e-10, msg=lambda m: f"rank {rank} step {step} {name}: {m}")
+        assert r["flushes"] == [1] * GPT_STEPS, r["flushes"]  # not once per micro-batch (nor per recomputation)
         # ZeRO-3 over dp on top of tp: the big matrices hold a quarter of their elements on each rank
         big = {n: v for n, v in r["sharded"].items() if n.endswith(("q.weight", "up.weight", "down.weight"))}
         assert big and all(math.prod(local) * 4 == math.prod(whole) for local, whole, _ in big.values()), big

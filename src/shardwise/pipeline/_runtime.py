@@ -84,7 +84,8 @@ class DistributedPipe(nn.Module):
         tp_dim: the tensor-parallel mesh dim (default: `"tp"` when the mesh has one).
         shard_parameters: ZeRO-3 over dp: each stage's parameters (and gradients and optimizer
             state) split over the dp dim as `data_parallel(shard_parameters=True)` does,
-            gathered for compute, gradients reduce-scattered in each backward.
+            gathered for compute, their gradients reduce-scattered in each backward (as FSDP);
+            the gradients of parameters that stay replicated on dp are averaged once per step.
         tp_plan: module patterns of the whole model -> ParallelStyles (as `parallelize_module`
             takes): each stage shards the layers it holds over its tp sub-mesh, and DTensor
             activations cross to the next stage piece by piece (see `_tensor_parallel`).

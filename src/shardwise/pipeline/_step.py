@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor
 
+from ..parallel._data_parallel import no_sync
 from ._microbatch import Batch, BatchValue, check, scatter
 from ._schedule import Action
 from ._stage import SkipTrackerThroughRanks
@@ -43,6 +44,8 @@ class StepRun:
         self.sent: set[tuple[int, int]] = set()
         self.loss: Optional[Tensor] = None
         self.current: Optional[Action] = None
+        order = pipe.schedule.rank_order(pipe.pp_rank)
+        self.last_backward = {a.stage: (a.microbatch, a.stage) for a in order if a.kind == "B"}  # the last wins
         stop = {"always": m, "except_last": m - 1, "never": 0}[pipe.checkpoint]
         self.checkpoint_stop = stop if train and pipe.training else 0
 
@@ -115,7 +118,11 @@ class StepRun:
             roots = [(t, g if g is not None else torch.zeros_like(t))
                      for t, g in zip(out.tensors, grads) if t.requires_grad]
         if roots:
-            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+            # ZeRO-3 stages: replicated gradients stay unreduced until the stage's last backward
+            # of the step, so they are averaged over dp once per step, not once per micro-batch
+            defer = pipe.shard_parameters and (i, s) != self.last_backward.get(s)
+            with no_sync(pipe.partitions[str(s)]) if defer else nullcontext():
+                torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
         del out, roots
         tracker.release(plan.stashed_at[s])
         if s > 0:
