@@ -127,6 +127,8 @@ def _explained_and_refused() -> str:
     x = sw.distribute_tensor(torch.ones(8, 4), meshes["(4,)"], [Shard(0)])
     with pytest.raises(ValueError, match=r"needs placements for the new mesh \(2 of them\)"):
         x.redistribute(meshes["(2, 2)"])
+    with pytest.raises(TypeError, match=r"redistribute\(device_mesh=...\) takes a DeviceMesh, got 'tp' of type str"):
+        x.redistribute("tp", [Replicate()])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="Partial is produced by ops"):
         x.redistribute(meshes["(2, 2)"], [Partial(), Replicate()])
     y = x.redistribute(meshes["[2, 3]"], [Replicate()])

@@ -185,7 +185,9 @@ class DTensor(DTensorBase, role="plain"):
         spec = self._spec
         mesh = spec.mesh if device_mesh is None else device_mesh
         if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+            raise TypeError(f"redistribute(device_mesh=...) takes a DeviceMesh, got {mesh!r} of type "
+                            f"{type(mesh).__name__}: pass the target mesh (shardwise.DeviceMesh or init_device_mesh), "
+                            "or leave it out to stay on this tensor's mesh")
         if placements is None:
             if mesh.ndim != spec.mesh.ndim:
                 raise ValueError(
