@@ -27,6 +27,12 @@ share its pp and dp index (see `_tensor_parallel`): activations that are DTensor
 each rank's piece to the rank of the next stage with the same tp index, and the dp
 average takes each parameter's piece.
 
+Stages of different widths: `mesh` may instead be a list of one DeviceMesh per pp index,
+each (tp,) or (dp, tp) over its own ranks (see `_topology`). Where consecutive stages'
+tp rows have the same size, messages go partner to partner as above; where they differ,
+they cross by the cross-mesh planner (see `_crossing`): each receiving rank gets exactly
+its piece of the landing layout, from the senders the plan deals it to.
+
 Shared parameters: stages on different pp ranks may use one parameter (embeddings tied to
 the LM head). Each of those ranks keeps its own copy; after the step they sum their
 gradients (one all_reduce per set of ranks, in a group of just those ranks), so every
@@ -63,6 +69,7 @@ from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleIn
 from ._stage import PipelineStage, split_module
 from ._step import StepRun
 from ._tensor_parallel import check_tp_plan, shard_stage, tp_dim_of
+from ._topology import Topology, stage_topology, uniform_topology
 from ._wire import ChannelPlan, PipelineError, RemoteFailure, Wire
 from .skip._routes import inspect_skip_layout
 
@@ -79,7 +86,9 @@ class DistributedPipe(nn.Module):
         module: the layers, in order (`@skippable` layers may stash and pop across stages).
         balance: layers per stage; `len(balance)` stages, the pp size of them for `"gpipe"`
             and `"1f1b"`, a multiple of it for `"interleaved"` (stage `s` on pp rank `s % pp`).
-        mesh: a `DeviceMesh` with dim `pp_dim`, and optionally a data-parallel dim.
+        mesh: a `DeviceMesh` with dim `pp_dim`, and optionally data- and tensor-parallel dims;
+            or a list of one DeviceMesh per pp index, each `("tp",)` or `("dp", "tp")` over
+            its own ranks, the tp sizes free (a 4-wide stage may feed a 2-wide one).
         dp_dim: the data-parallel mesh dim (default: `"dp"` when the mesh has one).
         tp_dim: the tensor-parallel mesh dim (default: `"tp"` when the mesh has one).
         shard_parameters: ZeRO-3 over dp: each stage's parameters (and gradients and optimizer
@@ -113,60 +122,76 @@ class DistributedPipe(nn.Module):
 
     partitions: nn.ModuleDict
 
-    def __init__(self, module: nn.Sequential, balance: Sequence[int], mesh: DeviceMesh, *, pp_dim: str = "pp",
+    def __init__(self, module: nn.Sequential, balance: Sequence[int], mesh: DeviceMesh | Sequence[DeviceMesh], *,
+                 pp_dim: str = "pp",
                  dp_dim: Optional[str] = None, tp_dim: Optional[str] = None,
                  tp_plan: Optional[Mapping[str, Any]] = None, shard_parameters: bool = False, schedule: str = "gpipe",
                  virtual_stages: Optional[int] = None,
                  chunks: int = 1, checkpoint: str = "except_last", loss_fn: Optional[LossFn] = None,
                  device: Optional[torch.device | str] = None, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"DistributedPipe runs over a DeviceMesh with a pp dim, got {describe(mesh)}: build one "
-                            "with shardwise.init_device_mesh(..., mesh_dim_names=('pp',))")
+        staged = isinstance(mesh, (list, tuple))
+        if not isinstance(mesh, DeviceMesh) and not staged:
+            raise TypeError(f"DistributedPipe runs over a DeviceMesh with a pp dim, or a list of one DeviceMesh per "
+                            f"stage, got {describe(mesh)}: build one with shardwise.init_device_mesh(..., "
+                            "mesh_dim_names=('pp',))")
         if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
             raise TypeError(f"balance must be a list of layers per stage, got {describe(balance)}: e.g. [2, 2]")
         balance = list(balance)
-        dp_dim, tp_dim = _check_arguments(mesh, pp_dim, dp_dim, tp_dim, tp_plan, schedule, virtual_stages,
-                                          len(balance), chunks)
+        if isinstance(mesh, DeviceMesh):
+            dp_dim, tp_dim = _check_arguments(mesh, pp_dim, dp_dim, tp_dim, tp_plan, schedule, virtual_stages,
+                                              len(balance), chunks)
+            topology, stage_mesh = uniform_topology(mesh, pp_dim, dp_dim, tp_dim), mesh
+            tp_mesh = mesh[tp_dim] if tp_dim is not None else None
+            zero_mesh = mesh[tuple(d for d in (dp_dim, tp_dim) if d is not None)] if dp_dim is not None else None
+        else:  # one mesh per stage: (tp,) or (dp, tp), tp sizes free
+            topology, stage_mesh, dp_dim, tp_dim = stage_topology(mesh, dp_dim, tp_dim)
+            _check_staged(topology, tp_plan, schedule, virtual_stages, len(balance), chunks)
+            tp_mesh = stage_mesh[tp_dim] if stage_mesh.ndim == 2 else stage_mesh
+            zero_mesh = stage_mesh
         if shard_parameters and dp_dim is None:
             raise ValueError("shard_parameters=True splits parameters over the data-parallel dim, but the mesh has "
                              "none: build it with a 'dp' dim (e.g. ('pp', 'dp', 'tp')) or pass dp_dim=")
         partitions = split_module(module, balance, chunks=chunks, checkpoint=checkpoint, allow_shared=True)
         check_tp_plan(tp_plan, partitions)
-        pp = mesh.size(pp_dim)
-        self.mesh, self.pp_dim, self.dp_dim = mesh, pp_dim, dp_dim
+        pp = topology.pp
+        self.mesh, self.pp_dim, self.dp_dim, self.topology = mesh, pp_dim, dp_dim, topology
         self.chunks, self.checkpoint, self.loss_fn, self.balance = chunks, checkpoint, loss_fn, balance
         self.bucket_cap_mb = bucket_cap_mb
         self.schedule: Schedule = (ScheduleGPipe(len(balance), chunks) if schedule == "gpipe" else
                                    Schedule1F1B(len(balance), chunks) if schedule == "1f1b" else
                                    ScheduleInterleaved1F1B(pp, len(balance) // pp, chunks))
-        self.device = torch.device(device) if device is not None else _default_device(mesh)
+        self.device = torch.device(device) if device is not None else _default_device(stage_mesh)
         self.rank = dist.get_rank()
-        self.pp_rank = mesh.get_local_rank(pp_dim)
-        pp_ranks = mesh.ranks_along(pp_dim)
+        self.pp_rank = topology.pp_rank
         self.skip_routes = inspect_skip_layout(partitions)  # every partition's declarations, once
         local = self.schedule.rank_stages(self.pp_rank)
         shared = _shared_across_ranks(partitions, self.schedule.stage_rank)  # before sharding makes new objects
+        _check_shared(topology, shared)
         mine = {j: partitions[j].to(self.device) for j in local}
-        self.tp_dim, self.tp_mesh = tp_dim, mesh[tp_dim] if tp_dim is not None else None
+        self.tp_dim, self.tp_mesh = tp_dim, tp_mesh
         for part in mine.values():  # each stage's layers sharded over its tp sub-mesh (and over dp: ZeRO-3)
             shard_stage(part, self.tp_mesh, tp_plan)
             if shard_parameters:
-                data_parallel(part, mesh[tuple(d for d in (dp_dim, tp_dim) if d is not None)], dp_dim=dp_dim,
-                              shard_parameters=True, bucket_cap_mb=bucket_cap_mb)
+                assert zero_mesh is not None  # a dp dim was required above
+                data_parallel(part, zero_mesh, dp_dim=dp_dim, shard_parameters=True, bucket_cap_mb=bucket_cap_mb)
         self.shard_parameters = shard_parameters
         self.partitions = nn.ModuleDict({str(j): part for j, part in mine.items()})
         self.stages = {j: PipelineStage(part, j, len(balance), self.rank) for j, part in mine.items()}
         self.num_stages = len(balance)
         del partitions, mine  # the other ranks' layers are not kept here
 
-        self.plan = ChannelPlan(self.num_stages, self.skip_routes,
-                                [pp_ranks[self.schedule.stage_rank(s)] for s in range(self.num_stages)])
-        self._group = _p2p_group(mesh, mesh.mesh_dim_index(pp_dim))
+        where = [self.schedule.stage_rank(s) for s in range(self.num_stages)]
+        self.plan = ChannelPlan(self.num_stages, self.skip_routes, [topology.partner(p) for p in where],
+                                rows=[topology.row(p) for p in where])
+        if isinstance(mesh, DeviceMesh):  # messages stay within this rank's pp slice
+            self._group, self._group_size = _p2p_group(mesh, mesh.mesh_dim_index(pp_dim)), pp
+        else:  # stages of different widths: a crossing may reach any rank of the next stage
+            self._group, self._group_size = _world_group(stage_mesh.device_type), dist.get_world_size()
         self._wire = Wire(self._group, self.device, len(self.plan.channels), tp_mesh=self.tp_mesh)
-        self._shared = _shared_groups(mesh, mesh.mesh_dim_index(pp_dim), shared, self.partitions)
-        self._dp_group = mesh.get_group(dp_dim) if dp_dim is not None else None
-        self._dp_size = mesh.size(dp_dim) if dp_dim is not None else 1
+        self._shared = _shared_groups(topology, shared, self.partitions, stage_mesh.device_type)
+        self._dp_group = stage_mesh.get_group(dp_dim) if dp_dim is not None else None
+        self._dp_size = stage_mesh.size(dp_dim) if dp_dim is not None else 1
         self._broken: Optional[str] = None
         self._steps = 0  # steps begun, named in errors ("... of micro-batch 2 of step 3")
         self._abandoned: list[comm.P2PWork] = []  # sends no one will receive; their buffers must outlive them
@@ -269,9 +294,8 @@ class DistributedPipe(nn.Module):
             self._give_up(failure[1].cause)
             raise failure[0]
         me = [0, -1, -1] if failure is None else [1, failure[1].origin_stage, failure[1].origin_rank]
-        pp = self.mesh.size(self.pp_dim)
         try:
-            outcomes = comm.all_gather_ints(me, self._group, pp) if pp > 1 else [me]
+            outcomes = comm.all_gather_ints(me, self._group, self._group_size) if self._group_size > 1 else [me]
         except RuntimeError as exc:
             self._give_up(str(exc))
             if failure is not None:
@@ -379,10 +403,39 @@ def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_di
         problems.append(f"mesh dims {others} are not the pp dim ({pp_dim!r}), the dp dim ({dp_dim!r}) or the tp dim "
                         f"({tp_dim!r}): DistributedPipe runs over (pp,), (pp, dp), (pp, tp) or (pp, dp, tp) meshes; "
                         "slice the mesh (mesh['pp', 'dp']) or name the dims")
+    if pp_dim in names:
+        problems += _schedule_problems(mesh.size(pp_dim), schedule, virtual_stages, num_stages, chunks)
+    elif schedule not in SCHEDULES:
+        problems.append(f"schedule={schedule!r} is not one of {SCHEDULES}")
+    if problems:
+        raise ValueError(problems[0] if len(problems) == 1 else f"{len(problems)} problems with the "
+                         "DistributedPipe arguments:\n" + "\n".join(f"  - {p}" for p in problems))
+    return dp_dim, tp_dim
+
+
+def _check_staged(topology: Topology, tp_plan: Optional[Mapping[str, Any]], schedule: str,
+                  virtual_stages: Optional[int], num_stages: int, chunks: int) -> None:
+    """Problems with the schedule and tp_plan of a pipe over one mesh per stage, raised together."""
+    problems = _schedule_problems(topology.pp, schedule, virtual_stages, num_stages, chunks)
+    if tp_plan is not None and not isinstance(tp_plan, Mapping):
+        problems.append(f"tp_plan must map module patterns of the whole model to ParallelStyles (as "
+                        f"parallelize_module takes), got {describe(tp_plan)}")
+    wide = [p for p in range(topology.pp) if len(topology.row(p)) > 1]
+    if wide and not tp_plan:
+        problems.append(f"stage meshes {wide} have tp rows of {[len(topology.row(p)) for p in wide]} ranks but "
+                        "there is no tp_plan, so those ranks would all compute the same thing: give tp_plan="
+                        "{pattern: ParallelStyle} naming the layers to shard")
+    if problems:
+        raise ValueError(problems[0] if len(problems) == 1 else f"{len(problems)} problems with the "
+                         "DistributedPipe arguments:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _schedule_problems(pp: int, schedule: str, virtual_stages: Optional[int], num_stages: int,
+                       chunks: int) -> list[str]:
+    problems: list[str] = []
     if schedule not in SCHEDULES:
         problems.append(f"schedule={schedule!r} is not one of {SCHEDULES}")
-    if pp_dim in names and schedule in SCHEDULES:
-        pp = mesh.size(pp_dim)
+    else:
         if schedule == "interleaved":
             if num_stages % pp or num_stages == 0:
                 problems.append(f"interleaved 1F1B puts the same number of stages on each of the {pp} pp ranks, "
@@ -399,10 +452,7 @@ def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_di
                                 f"(got {num_stages}); use schedule='interleaved' for several stages per rank")
             if virtual_stages not in (None, 1):
                 problems.append(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
-    if problems:
-        raise ValueError(problems[0] if len(problems) == 1 else f"{len(problems)} problems with the "
-                         "DistributedPipe arguments:\n" + "\n".join(f"  - {p}" for p in problems))
-    return dp_dim, tp_dim
+    return problems
 
 
 class _Shared(NamedTuple):
@@ -427,22 +477,36 @@ def _shared_across_ranks(partitions: Sequence[nn.Module], stage_rank: Callable[[
     return [(tuple(sorted(holders)), name, where) for name, holders, where in seen.values() if len(holders) > 1]
 
 
-def _shared_groups(mesh: DeviceMesh, pp_index: int, shared: list[tuple[tuple[int, ...], str, dict[int, str]]],
-                   local: nn.ModuleDict) -> list[_Shared]:
-    """One process group per set of pp ranks sharing parameters, in every pp slice (every
-    process creates them all, in the same order, as `new_group` requires)."""
+def _check_shared(topology: Topology, shared: list[tuple[tuple[int, ...], str, dict[int, str]]]) -> None:
+    """ValueError for a parameter shared by stages whose tp rows differ in width (their copies'
+    pieces do not line up, so they cannot be summed piece by piece)."""
+    for holders, name, _ in shared:
+        widths = [len(topology.grids[h][0]) for h in holders]
+        if len(set(widths)) > 1:
+            stage, inner = name.split(".", 1)
+            raise ValueError(f"parameter {inner} of stage {stage} is shared by stages on pp indices {list(holders)}, "
+                             f"whose tp rows have "
+                             f"{widths} ranks: a shared (tied) parameter needs stages of one tp width, so that each "
+                             "copy's piece sums with the same piece of the others; untie it, or give those stages "
+                             "meshes of one tp size")
+
+
+def _shared_groups(topology: Topology, shared: list[tuple[tuple[int, ...], str, dict[int, str]]],
+                   local: nn.ModuleDict, device_type: str) -> list[_Shared]:
+    """One process group per set of pp ranks sharing parameters, for every (dp, tp) coordinate
+    (every process creates them all, in the same order, as `new_group` requires)."""
     by_holders: dict[tuple[int, ...], list[tuple[str, Optional[nn.Parameter]]]] = {}
     for holders, name, where in shared:  # this rank's copy: by its name in a stage it holds
         here = [local[str(j)].get_parameter(n) for j, n in where.items() if str(j) in local]
         by_holders.setdefault(holders, []).append((name, here[0] if here else None))
-    pp = mesh.shape[pp_index]
-    rows = mesh.mesh.movedim(pp_index, -1).reshape(-1, pp).tolist()
-    backend = "nccl" if mesh.device_type == "cuda" else None
+    backend = "nccl" if device_type == "cuda" else None
     out = []
     for holders, entries in by_holders.items():
+        widths = [len(topology.grids[h][0]) for h in holders]
         group = None
-        for row in rows:
-            ranks = [row[k] for k in holders]
+        rows = [[grid[d][t] for grid in (topology.grids[h] for h in holders)]
+                for d in range(len(topology.grids[0])) for t in range(widths[0])]
+        for ranks in rows:
             made = dist.new_group(ranks, timeout=collective_timeout(), backend=backend)
             if dist.get_rank() in ranks:
                 group = made
@@ -455,6 +519,14 @@ def _default_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+def _world_group(device_type: str) -> Any:
+    """A new process group of every process, for a pipe whose crossings may reach any rank."""
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=collective_timeout(),
+                           backend="nccl" if device_type == "cuda" else None)
+    comm.all_gather_ints([0], group, dist.get_world_size())  # every member connected before any send
+    return group
 
 
 def _p2p_group(mesh: DeviceMesh, pp_index: int) -> Any:

@@ -36,7 +36,11 @@ from torch import Tensor
 
 from .. import _comm as comm
 from .._layout import contiguous_strides
+from .._redistribute._cross import _volume
 from .._tensor import DTensor, from_local
+from .._tensor._cross import _region
+from .._tensor._redistribute import redistribute_local
+from ._crossing import Crossing, crossing, landing, spec_on
 from ._schedule import Action
 from .skip._routes import SkipRoutes
 from .skip._namespace import Namespace
@@ -66,10 +70,16 @@ class Channel:
     src_rank: int
     dst_rank: int
     skip: str = ""  # the skip's name (and namespace) for skip channels
+    src_ranks: tuple[int, ...] = ()  # crossing between rows of different sizes: the sending row's ranks
+    dst_ranks: tuple[int, ...] = ()  # and the receiving row's (empty: one partner each side)
+
+    @property
+    def crossing(self) -> bool:
+        return bool(self.src_ranks)
 
     @property
     def local(self) -> bool:
-        return self.src_rank == self.dst_rank
+        return not self.crossing and self.src_rank == self.dst_rank
 
     def label(self, microbatch: int) -> str:
         what = f"{self.kind} {self.skip}" if self.skip else self.kind
@@ -77,8 +87,10 @@ class Channel:
 
 
 class ChannelPlan:
-    """Every channel of a pipeline of `num_stages` stages, stage `s` on global rank `rank_of[s]`:
-    activations `s -> s+1`, gradients `s+1 -> s`, and for each skip that crosses stages one
+    """Every channel of a pipeline of `num_stages` stages, stage `s` on global rank `rank_of[s]`
+    (this rank's partner there); with `rows` (stage `s` on the tp row of ranks `rows[s]`), a
+    channel between rows of different sizes crosses by the cross-mesh planner instead (see
+    `_crossing`). Activations `s -> s+1`, gradients `s+1 -> s`, and for each skip that crosses stages one
     channel from its stash stage to its pop stage and one back. Numbered the same way on
     every process (tags depend on it), so skips are ordered by where they are stashed and
     popped, never by namespace: `SkipRoutes.routes` sorts namespaces by their ids, which are
@@ -98,7 +110,8 @@ class ChannelPlan:
     [0, 4]
     """
 
-    def __init__(self, num_stages: int, layout: SkipRoutes, rank_of: Sequence[int]) -> None:
+    def __init__(self, num_stages: int, layout: SkipRoutes, rank_of: Sequence[int],
+                 rows: Optional[Sequence[tuple[int, ...]]] = None) -> None:
         self.channels: list[Channel] = []
         self.num_stages = num_stages
         crossing = sorted((r for r in layout.routes if r.stash_partition != r.pop_partition),
@@ -106,7 +119,9 @@ class ChannelPlan:
                                          r.name))
 
         def channel(kind: str, src: int, dst: int, skip: str = "") -> Channel:
-            c = Channel(len(self.channels), kind, src, dst, rank_of[src], rank_of[dst], skip)
+            across = rows is not None and len(rows[src]) != len(rows[dst])  # no partner: the rows differ in size
+            c = Channel(len(self.channels), kind, src, dst, rank_of[src], rank_of[dst], skip,
+                        tuple(rows[src]) if across else (), tuple(rows[dst]) if across else ())  # type: ignore[index]
             self.channels.append(c)
             return c
 
@@ -188,20 +203,53 @@ class Wire:
             return
         skeleton, tensors = _flatten(value)
         meta = pickle.dumps((skeleton, [(tuple(t.shape), t.dtype) for t in tensors]))
+        if channel.crossing:
+            self._send_across(channel, microbatch, value, skeleton, tensors, meta)
+            return
         self._post(channel, microbatch, [OK, len(meta), len(tensors), -1, -1], meta,
                    [_wire_view(t) for t in tensors if t.numel() > 0])
+
+    def _send_across(self, channel: Channel, microbatch: int, value: Any, skeleton: Any, tensors: list[Tensor],
+                     meta: bytes) -> None:
+        """Every rank of the receiving row gets the header and metadata; then each tensor's
+        boxes go where the cross-mesh plan sends them (Partials reduced on this row first)."""
+        pieces: list[tuple[Tensor, Crossing]] = []
+        for slot, t in zip(_slots(skeleton), tensors):
+            if isinstance(slot, _DSlot) and self.tp_mesh is not None:
+                dtensor = _dtensors(value)[slot.k]
+                if dtensor.device_mesh != self.tp_mesh:
+                    raise TypeError(f"{channel.label(microbatch)} holds a DTensor on {dtensor.device_mesh}, not on the "
+                                    f"stage's tensor-parallel mesh {self.tp_mesh}: a stage's outputs live on its "
+                                    "own tp mesh (redistribute(device_mesh=...) it there first)")
+            placements = slot.placements if isinstance(slot, _DSlot) else None
+            move = crossing(slot.shape if isinstance(slot, _DSlot) else tuple(t.shape), t.dtype, placements,
+                            slot.shard_order if isinstance(slot, _DSlot) else (), channel.src_ranks, channel.dst_ranks)
+            if isinstance(slot, _DSlot) and move.before != (slot.placements, slot.shard_order):
+                placed, order = move.before  # a collective of this row (every rank of it sends alike)
+                t = redistribute_local(t, spec_on(self.tp_mesh, slot.placements, slot.shape, t.dtype, slot.shard_order),
+                                       spec_on(self.tp_mesh, placed, slot.shape, t.dtype, order))
+            pieces.append((_wire_view(t), move))
+        for dst in channel.dst_ranks:
+            self._post(channel, microbatch, [OK, len(meta), len(tensors), -1, -1], meta, [], dst=dst)
+        for piece, move in pieces:
+            for peer, box in move.routes.sends:
+                if _volume(box):
+                    self._post(channel, microbatch, None, b"", [_region(piece, box).contiguous()], dst=peer)
 
     def send_failure(self, channel: Channel, microbatch: int, failure: RemoteFailure) -> None:
         """Tell `channel`'s receiver that this step failed (instead of the message it expects)."""
         if channel.local:
             return
         text = failure.cause.encode()
-        self._post(channel, microbatch, [DIED if failure.died else FAILED, len(text), 0, failure.origin_stage,
-                                         failure.origin_rank], text, [])
+        for dst in channel.dst_ranks or (channel.dst_rank,):
+            self._post(channel, microbatch, [DIED if failure.died else FAILED, len(text), 0, failure.origin_stage,
+                                             failure.origin_rank], text, [], dst=dst)
 
-    def _post(self, channel: Channel, microbatch: int, header: list[int], meta: bytes, tensors: list[Tensor]) -> None:
-        tag, label, dst = self.tag(channel, microbatch), channel.label(microbatch), channel.dst_rank
-        parts = [torch.tensor(header, dtype=torch.int64, device=self.device)]
+    def _post(self, channel: Channel, microbatch: int, header: Optional[list[int]], meta: bytes,
+              tensors: list[Tensor], dst: Optional[int] = None) -> None:
+        tag, label = self.tag(channel, microbatch), channel.label(microbatch)
+        dst = channel.dst_rank if dst is None else dst
+        parts = [] if header is None else [torch.tensor(header, dtype=torch.int64, device=self.device)]
         if meta:
             parts.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device))
         try:
@@ -233,15 +281,16 @@ class Wire:
             value = self.mailbox.pop((channel.index, microbatch))
             return _leaves(value, requires_grad)
         try:
+            if channel.crossing:
+                return self._receive_across(channel, microbatch, requires_grad)
             return self._receive(channel, microbatch, requires_grad)
         except comm.P2PError as exc:
-            cause = (f"stage {channel.src_stage} on rank {channel.src_rank} never sent "
-                     f"{channel.label(microbatch)}: {exc.reason}")
-            raise RemoteFailure(cause, True, channel.src_stage, channel.src_rank,
-                                f"while waiting for {channel.label(microbatch)} from rank {channel.src_rank}") from exc
+            raise _never_sent(channel, microbatch, channel.src_rank, exc) from exc
 
-    def _receive(self, channel: Channel, microbatch: int, requires_grad: bool) -> Any:
-        tag, label, src = self.tag(channel, microbatch), channel.label(microbatch), channel.src_rank
+    def _header(self, channel: Channel, microbatch: int, src: int) -> tuple[Any, list[Any], bytes]:
+        """The header and metadata from `src`: the value's skeleton, its tensors' (shape, dtype)
+        and the raw metadata; RemoteFailure when the sender reports a failure."""
+        tag, label = self.tag(channel, microbatch), channel.label(microbatch)
         header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
         status, meta_size, count, origin_stage, origin_rank = \
             comm.irecv(header, src, self.group, tag=tag, label=label).wait().tolist()
@@ -256,6 +305,11 @@ class Wire:
         if len(specs) != count:
             raise RuntimeError(f"{label} from rank {src} is malformed: header says {count} tensors, metadata "
                                f"{len(specs)}; report this as a bug")
+        return skeleton, specs, meta
+
+    def _receive(self, channel: Channel, microbatch: int, requires_grad: bool) -> Any:
+        tag, label, src = self.tag(channel, microbatch), channel.label(microbatch), channel.src_rank
+        skeleton, specs, _ = self._header(channel, microbatch, src)
         tensors = [torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
                    for shape, dtype in specs]
         works = [comm.irecv(t, src, self.group, tag=tag, label=label) for t in tensors if t.numel() > 0]
@@ -263,6 +317,42 @@ class Wire:
             work.wait()
         tensors = [t.view(torch.bool) if dtype == torch.bool else t for t, (_, dtype) in zip(tensors, specs)]
         return _leaves(_unflatten(skeleton, tensors, self.tp_mesh, label), requires_grad)
+
+    def _receive_across(self, channel: Channel, microbatch: int, requires_grad: bool) -> Any:
+        """Every sending rank's header first (any of them may report a failure), then this
+        rank's boxes of each tensor from the senders the cross-mesh plan deals them to."""
+        tag, label = self.tag(channel, microbatch), channel.label(microbatch)
+        skeleton: Any = None
+        specs: list[tuple[tuple[int, ...], torch.dtype]] = []
+        for src in channel.src_ranks:  # the first failure reported (or a sender gone) stops the wait
+            try:
+                found = self._header(channel, microbatch, src)
+            except comm.P2PError as exc:
+                raise _never_sent(channel, microbatch, src, exc) from exc
+            if skeleton is None:
+                skeleton, specs, _ = found
+        tensors = []
+        for slot, (shape, dtype) in zip(_slots(skeleton), specs):
+            placements = slot.placements if isinstance(slot, _DSlot) else None
+            move = crossing(slot.shape if isinstance(slot, _DSlot) else tuple(shape), dtype, placements,
+                            slot.shard_order if isinstance(slot, _DSlot) else (), channel.src_ranks, channel.dst_ranks)
+            wire_dtype = torch.uint8 if dtype == torch.bool else dtype
+            out = torch.empty(move.routes.out_shape, dtype=wire_dtype, device=self.device)
+            works = [(src, box, comm.irecv(torch.empty(_box_shape(box), dtype=wire_dtype, device=self.device), src,
+                                           self.group, tag=tag, label=label))
+                     for src, box in move.routes.recvs if _volume(box)]
+            for src, box, work in works:
+                try:
+                    _region(out, box).copy_(work.wait())
+                except comm.P2PError as exc:
+                    raise _never_sent(channel, microbatch, src, exc) from exc
+            out = out.view(torch.bool) if dtype == torch.bool else out
+            if isinstance(slot, _DSlot):
+                assert self.tp_mesh is not None
+                out = from_local(out, self.tp_mesh, landing(slot.placements), shape=slot.shape,
+                                 stride=contiguous_strides(slot.shape))
+            tensors.append(out)
+        return _leaves(_fill(skeleton, tensors), requires_grad)
 
 
 def _flatten(value: Any) -> tuple[Any, list[Tensor]]:
@@ -279,6 +369,37 @@ def _flatten(value: Any) -> tuple[Any, list[Tensor]]:
 
     skeleton = tuple(slot(v) for v in value) if isinstance(value, tuple) else slot(value)
     return skeleton, tensors
+
+
+def _never_sent(channel: Channel, microbatch: int, src: int, exc: comm.P2PError) -> RemoteFailure:
+    cause = f"stage {channel.src_stage} on rank {src} never sent {channel.label(microbatch)}: {exc.reason}"
+    return RemoteFailure(cause, True, channel.src_stage, src,
+                         f"while waiting for {channel.label(microbatch)} from rank {src}")
+
+
+def _slots(skeleton: Any) -> list[_Slot]:
+    """The tensor slots of a message's skeleton, in tensor order."""
+    slots = [v for v in (skeleton if isinstance(skeleton, tuple) else (skeleton,)) if isinstance(v, _Slot)]
+    return sorted(slots, key=lambda v: v.k)
+
+
+def _dtensors(value: Any) -> dict[int, DTensor]:
+    """The DTensors of a message's value, by tensor number (as `_flatten` numbers them)."""
+    values = value if isinstance(value, tuple) else (value,)
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    return {k: v for k, v in enumerate(tensors) if isinstance(v, DTensor)}
+
+
+def _fill(skeleton: Any, tensors: list[Tensor]) -> Any:
+    """The value of a message from its skeleton and its tensors, already made (DTensors too)."""
+    def fill(v: Any) -> Any:
+        return tensors[v.k] if isinstance(v, _Slot) else v
+
+    return tuple(fill(v) for v in skeleton) if isinstance(skeleton, tuple) else fill(skeleton)
+
+
+def _box_shape(box: Any) -> tuple[int, ...]:
+    return tuple(length for _, length in box)
 
 
 def _unflatten(skeleton: Any, tensors: list[Tensor], tp_mesh: Any = None, label: str = "a message") -> Any:
