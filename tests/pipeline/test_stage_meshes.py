@@ -11,7 +11,8 @@ crossing activation split by rows) trains with 1F1B and AdamW against one proces
 (float64, every parameter after every step within 1e-10) on stage meshes of tp widths
 4 -> 2 (6 processes, micro-batches of 6 rows that 4 ranks split unevenly), 1 -> 2, and
 (dp, tp) = (2, 2) -> (2, 1). A stage that raises tells every rank of the previous stage,
-whose tp row is wider; bad stage meshes are refused by name.
+whose tp row is wider; bad stage meshes are refused by name. Last, a weight tied across
+stages of widths 2 and 1 (split by columns on one, whole on the other) steps as one weight.
 """
 
 from __future__ import annotations
@@ -178,12 +179,64 @@ def _refusals() -> None:
         DistributedPipe(model, [3, 3], [a, "b"], tp_plan=PLAN, loss_fn=F.mse_loss)
     shared = nn.Sequential(nn.Linear(D, D), nn.Linear(D, D)).double()
     shared[1].weight = shared[0].weight
-    wide = sw.DeviceMesh("cpu", [0, 1, 2], mesh_dim_names=("tp",))
-    with pytest.raises(ValueError, match=r"parameter 0.weight of stage 0 is shared by stages on pp indices \[0, 1\], whose tp "
-                                         r"rows have \[3, 1\] ranks"):
-        DistributedPipe(shared, [1, 1], [wide, sw.DeviceMesh("cpu", [3], mesh_dim_names=("tp",))],
-                        tp_plan={"0": ColwiseParallel()}, loss_fn=F.mse_loss)
+    wide = sw.DeviceMesh("cpu", [[0, 1, 2]], mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"parameter 0.weight of stage 0 is shared by stages on pp indices \[0, 1\], "
+                                         r"whose tp rows have \[3, 1\] ranks: under shard_parameters=True"):
+        DistributedPipe(shared, [1, 1], [wide, sw.DeviceMesh("cpu", [[3]], mesh_dim_names=("dp", "tp"))],
+                        tp_plan={"0": ColwiseParallel()}, shard_parameters=True, loss_fn=F.mse_loss)
 
 
 def test_bad_stage_meshes_are_refused_by_name() -> None:
     run_distributed(_refusals, 4, timeout=120)
+
+
+# -- a parameter tied across stages of different widths ------------------------------------------
+
+def _tied_model() -> nn.Sequential:
+    model = _model()
+    model[3].weight = model[0].weight  # stage 0's first projection and stage 1's share one weight
+    return model
+
+
+def _tied_reference() -> list[dict[str, torch.Tensor]]:
+    model = _tied_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    out = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        out.append({n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)})
+    return out
+
+
+def _tied(grids: list[Any]) -> list[dict[str, torch.Tensor]]:
+    meshes = [sw.DeviceMesh("cpu", grid, mesh_dim_names=("tp",)) for grid in grids]
+    pipe = DistributedPipe(_tied_model(), [3, 3], meshes, tp_plan=PLAN, schedule="1f1b", chunks=CHUNKS,
+                           loss_fn=F.mse_loss)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.05)
+    params = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        pipe.step(x, y)
+        opt.step()
+        params.append({name.split(".", 2)[2]: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                       for name, p in pipe.named_parameters()})
+    pipe.close()
+    return params
+
+
+@pytest.mark.parametrize("grids", [[[0, 1], [2]], [[0], [1, 2]]], ids=["tp2-tp1", "tp1-tp2"])
+def test_a_parameter_tied_across_stages_of_different_widths_gets_the_whole_gradient(grids: list[Any]) -> None:
+    # each copy is split over its own stage's row (column-parallel there): the holders swap their
+    # gradients across meshes and sum them in pp order, so both copies step as the one weight does
+    reference = _tied_reference()
+    results = run_distributed(_tied, 3, grids, timeout=120)
+    for rank, params in enumerate(results):
+        assert "0.weight" in params[0] or "3.weight" in params[0]
+        for step, want in enumerate(reference):
+            for name, value in params[step].items():
+                torch.testing.assert_close(value, want[name], rtol=0, atol=1e-10,
+                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")

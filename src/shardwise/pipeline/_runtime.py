@@ -36,7 +36,9 @@ its piece of the landing layout, from the senders the plan deals it to.
 Shared parameters: stages on different pp ranks may use one parameter (embeddings tied to
 the LM head). Each of those ranks keeps its own copy; after the step they sum their
 gradients (one all_reduce per set of ranks, in a group of just those ranks), so every
-copy gets the whole gradient and steps alike, as the one parameter would.
+copy gets the whole gradient and steps alike, as the one parameter would. Copies on stages
+of different widths are split differently, so their holders swap gradients across meshes
+instead and each sums every holder's term in pp order (ZeRO-3 copies must be of one width).
 
 Failures: a stage that raises tells every stage waiting on it (see `_wire`), which tell
 theirs, and all stop; at the end of every step the pp ranks compare outcomes (one small
@@ -62,6 +64,7 @@ from torch import Tensor, nn
 from .. import _comm as comm
 from .._describe import describe
 from .._mesh import DeviceMesh, collective_timeout
+from .._placement import Replicate
 from .._tensor import DTensor, from_local
 from ..parallel._data_parallel import data_parallel
 from ._microbatch import BatchValue, gather
@@ -70,7 +73,7 @@ from ._stage import PipelineStage, split_module
 from ._step import StepRun
 from ._tensor_parallel import check_tp_plan, shard_stage, tp_dim_of
 from ._topology import Topology, stage_topology, uniform_topology
-from ._wire import ChannelPlan, PipelineError, RemoteFailure, Wire
+from ._wire import Channel, ChannelPlan, PipelineError, RemoteFailure, Wire
 from .skip._routes import inspect_skip_layout
 
 __all__ = ["DistributedPipe", "PipelineError"]
@@ -167,7 +170,7 @@ class DistributedPipe(nn.Module):
         self.skip_routes = inspect_skip_layout(partitions)  # every partition's declarations, once
         local = self.schedule.rank_stages(self.pp_rank)
         shared = _shared_across_ranks(partitions, self.schedule.stage_rank)  # before sharding makes new objects
-        _check_shared(topology, shared)
+        _check_shared(topology, shared, shard_parameters)
         mine = {j: partitions[j].to(self.device) for j in local}
         self.tp_dim, self.tp_mesh = tp_dim, tp_mesh
         for part in mine.values():  # each stage's layers sharded over its tp sub-mesh (and over dp: ZeRO-3)
@@ -327,7 +330,9 @@ class DistributedPipe(nn.Module):
     def _sum_shared_gradients(self) -> None:
         """A parameter that stages on several pp ranks share (tied embeddings) gets the sum of
         their gradients on each of them, so every copy steps alike."""
-        for shared in self._shared:
+        for k, shared in enumerate(self._shared):
+            if shared.across:
+                self._sum_across(k, shared)
             if shared.group is None:
                 continue
             grads = [p.grad for p in shared.params]
@@ -342,6 +347,45 @@ class DistributedPipe(nn.Module):
             for p, g, piece in zip(shared.params, grads, summed):
                 if piece is not None:
                     p.grad = _like(piece.clone(), g if g is not None else p)
+
+    def _sum_across(self, k: int, shared: _Shared) -> None:
+        """Shared parameters whose holders' tp rows differ in width: each holder sends its
+        gradients to every other by the cross-mesh planner (landing split as they are split
+        here), brings what it receives into its own copy's layout, and sums every holder's
+        term in pp order, so every copy gets the same sum."""
+        me, pp = self.pp_rank, self.topology.pp
+        if me not in shared.holders:
+            return
+        wire, m = self._wire, self.schedule.num_microbatches
+        names = ", ".join(shared.names)
+
+        def channel(src: int, dst: int) -> Channel:  # numbered past the step's channels, the same everywhere
+            index = wire.num_channels + (k * pp + src) * pp + dst
+            rows = self.topology.row(src), self.topology.row(dst)
+            return Channel(index, "shared gradient", src, dst, rows[0][0], rows[1][0], names, rows[0], rows[1])
+
+        own = tuple(_settled(p.grad, p) for p in shared.params)
+        terms: dict[int, tuple[Any, ...]] = {me: own}
+        try:
+            for h in shared.holders:
+                if h != me:
+                    wire.send(channel(me, h), m, own)
+            for h in shared.holders:
+                if h != me:
+                    received = wire.receive(channel(h, me), m, requires_grad=False)
+                    terms[h] = tuple(_into(g, p) for g, p in zip(received, shared.params))
+            wire.finish()
+        except (RemoteFailure, comm.P2PError) as exc:
+            self._give_up(str(exc))
+            raise PipelineError(f"rank {self.rank}: summing the gradients of {names} with the stages on pp indices "
+                                f"{list(shared.holders)} that share them failed ({exc}): one of them probably "
+                                "failed") from exc
+        for j, p in enumerate(shared.params):
+            total = None
+            for h in shared.holders:  # in pp order on every holder: the same sum everywhere
+                g = terms[h][j]
+                total = g if total is None else total if g is None else total + g
+            p.grad = total
 
     def _reduce_gradients(self) -> None:
         """Average this rank's gradients over dp: one all_reduce per bucket of about `bucket_cap_mb`
@@ -361,6 +405,26 @@ class DistributedPipe(nn.Module):
         for p, g, piece in zip(params, grads, averaged):
             if piece is not None:
                 p.grad = _like(piece.clone(), g if g is not None else p)
+
+
+def _settled(grad: Optional[Tensor], param: Tensor) -> Optional[Tensor]:
+    """`grad` in its parameter's layout (a Partial gradient reduced)."""
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
+def _into(value: Any, param: Tensor) -> Optional[Tensor]:
+    """A gradient that arrived from another mesh, in `param`'s layout here."""
+    if not isinstance(value, Tensor):
+        return None
+    if isinstance(param, DTensor):
+        if not isinstance(value, DTensor):  # a whole gradient: this rank's piece of it
+            value = from_local(value, param.device_mesh, tuple(Replicate() for _ in param.placements))
+        moved: Tensor = value.redistribute(param.device_mesh, param.placements)
+        return moved
+    whole: Tensor = value.full_tensor() if isinstance(value, DTensor) else value
+    return whole
 
 
 def _piece(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -460,6 +524,7 @@ class _Shared(NamedTuple):
     names: list[str]  # as "stage.parameter", for errors
     group: Any  # this rank's pp slice's group of the holders, None when this rank holds none
     params: list[nn.Parameter]  # this rank's (empty when it holds none)
+    across: bool = False  # the holders' tp rows differ in width: summed by crossing meshes
 
 
 def _shared_across_ranks(partitions: Sequence[nn.Module], stage_rank: Callable[[int], int]
@@ -477,18 +542,19 @@ def _shared_across_ranks(partitions: Sequence[nn.Module], stage_rank: Callable[[
     return [(tuple(sorted(holders)), name, where) for name, holders, where in seen.values() if len(holders) > 1]
 
 
-def _check_shared(topology: Topology, shared: list[tuple[tuple[int, ...], str, dict[int, str]]]) -> None:
-    """ValueError for a parameter shared by stages whose tp rows differ in width (their copies'
-    pieces do not line up, so they cannot be summed piece by piece)."""
+def _check_shared(topology: Topology, shared: list[tuple[tuple[int, ...], str, dict[int, str]]],
+                  shard_parameters: bool) -> None:
+    """ValueError for a parameter shared by ZeRO-3 stages whose tp rows differ in width (their
+    copies are split over (dp, tp) differently; plain tp stages sum them across meshes)."""
     for holders, name, _ in shared:
         widths = [len(topology.grids[h][0]) for h in holders]
-        if len(set(widths)) > 1:
+        if len(set(widths)) > 1 and shard_parameters:
             stage, inner = name.split(".", 1)
             raise ValueError(f"parameter {inner} of stage {stage} is shared by stages on pp indices {list(holders)}, "
-                             f"whose tp rows have "
-                             f"{widths} ranks: a shared (tied) parameter needs stages of one tp width, so that each "
-                             "copy's piece sums with the same piece of the others; untie it, or give those stages "
-                             "meshes of one tp size")
+                             f"whose tp rows have {widths} ranks: under shard_parameters=True a shared (tied) "
+                             "parameter needs stages of one tp width, so that each copy's piece sums with the same "
+                             "piece of the others; untie it, give those stages meshes of one tp size, or leave "
+                             "shard_parameters off")
 
 
 def _shared_groups(topology: Topology, shared: list[tuple[tuple[int, ...], str, dict[int, str]]],
@@ -503,6 +569,10 @@ def _shared_groups(topology: Topology, shared: list[tuple[tuple[int, ...], str, 
     out = []
     for holders, entries in by_holders.items():
         widths = [len(topology.grids[h][0]) for h in holders]
+        params = [p for _, p in entries if p is not None]
+        if len(set(widths)) > 1:  # no piece lines up with another: summed across meshes, no group
+            out.append(_Shared(holders, [name for name, _ in entries], None, params, True))
+            continue
         group = None
         rows = [[grid[d][t] for grid in (topology.grids[h] for h in holders)]
                 for d in range(len(topology.grids[0])) for t in range(widths[0])]
@@ -510,7 +580,6 @@ def _shared_groups(topology: Topology, shared: list[tuple[tuple[int, ...], str, 
             made = dist.new_group(ranks, timeout=collective_timeout(), backend=backend)
             if dist.get_rank() in ranks:
                 group = made
-        params = [p for _, p in entries if p is not None]
         out.append(_Shared(holders, [name for name, _ in entries], group if params else None, params))
     return out
 

@@ -64,7 +64,7 @@ class Channel:
     `dst_stage` (on `dst_rank`), one per micro-batch; `index` numbers it in the pipeline."""
 
     index: int
-    kind: str  # "activation" | "gradient" | "skip" | "skip gradient"
+    kind: str  # "activation" | "gradient" | "skip" | "skip gradient" | "shared gradient"
     src_stage: int
     dst_stage: int
     src_rank: int
@@ -82,6 +82,9 @@ class Channel:
         return not self.crossing and self.src_rank == self.dst_rank
 
     def label(self, microbatch: int) -> str:
+        if self.kind == "shared gradient":  # once per step, after every micro-batch
+            return (f"the gradients of shared parameters {self.skip} (pp index {self.src_stage} -> "
+                    f"{self.dst_stage})")
         what = f"{self.kind} {self.skip}" if self.skip else self.kind
         return f"the {what} of micro-batch {microbatch} (stage {self.src_stage} -> {self.dst_stage})"
 
