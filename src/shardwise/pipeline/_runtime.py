@@ -63,6 +63,7 @@ from torch import Tensor, nn
 
 from .. import _comm as comm
 from .._describe import describe
+from .._groups import POINT_TO_POINT
 from .._mesh import DeviceMesh, collective_timeout
 from .._placement import Replicate
 from .._tensor import DTensor, from_local
@@ -595,6 +596,7 @@ def _world_group(device_type: str) -> Any:
     group = dist.new_group(list(range(dist.get_world_size())), timeout=collective_timeout(),
                            backend="nccl" if device_type == "cuda" else None)
     comm.all_gather_ints([0], group, dist.get_world_size())  # every member connected before any send
+    POINT_TO_POINT.add(group.group_name)  # its ranks' message counts differ by nature (crossings fan out)
     return group
 
 
