@@ -40,34 +40,21 @@ from shardwise.pipeline import DistributedPipe
 from shardwise.pipeline.skip import pop, skippable, stash
 from shardwise.testing import run_distributed
 
-D, H, ROWS, CHUNKS, STEPS = 8, 16, 8, 2, 3
-PLAN = {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Shard(0), use_local_output=False),
-        "3": ColwiseParallel(input_layouts=Shard(0)), "5": RowwiseParallel()}
+from ._mlp import D, PLAN, batch, mlp, one_process
+
+H, ROWS, CHUNKS, STEPS = 16, 8, 2, 3
 
 
 def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, D), nn.Linear(D, H), nn.ReLU(),
-                         nn.Linear(H, D)).double()
+    return mlp(H)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(ROWS, D, generator=g, dtype=torch.float64), torch.randn(ROWS, D, generator=g, dtype=torch.float64)
+    return batch(step, ROWS)
 
 
 def _reference() -> list[tuple[float, dict[str, torch.Tensor]]]:
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    out = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        out.append((loss.item(), {n: p.detach().clone() for n, p in model.named_parameters()}))
-    return out
+    return one_process(_model(), ROWS, STEPS)
 
 
 def _train(shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:

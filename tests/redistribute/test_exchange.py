@@ -143,3 +143,18 @@ def test_partial_on_every_mesh_dim_is_reduced_by_one_all_reduce_over_the_mesh(op
         y = x.redistribute(mesh, [Replicate(), Replicate()])
     assert [(r.op, r.group_size) for r in log] == [("all_reduce", 4)]
     torch.testing.assert_close(y.to_local(), full)
+
+
+@distributed(world_size=3)
+def test_layouts_holding_the_same_boxes_are_relabelled_without_a_message() -> None:
+    # a [1, 1] tensor split by rows or by columns over 3 ranks: rank 0 holds it either way
+    mesh = sw.init_device_mesh("cpu", (1, 3))
+    full = seeded(1, 1)
+    x = sw.distribute_tensor(full, mesh, [Replicate(), Shard(0)]).requires_grad_(True)
+    with sw.comm_log() as log:
+        y = x.redistribute(mesh, [Replicate(), Shard(1)])
+    assert list(log) == []
+    coord = tuple(mesh.get_coordinate())  # type: ignore[arg-type]
+    assert torch.equal(y.to_local(), expected_piece(full, mesh.shape, [Replicate(), Shard(1)], coord))
+    y.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad.full_tensor(), torch.ones(1, 1))

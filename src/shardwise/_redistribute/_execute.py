@@ -37,7 +37,8 @@ class LocalStep:
     `zero` / `one` replace the piece by zeros / ones (a non-first term of a P(sum) / P(prod)); `unstride` reorders a
     whole `tensor_dim` gathered rank after rank (each rank's piece of `parts` equal parts)
     into part order; `stride` keeps piece `start` of `ways` of every one of `parts` parts
-    (the two ends of a `_StridedShard`)."""
+    (the two ends of a `_StridedShard`); `box` keeps a region of the piece (an exchange in
+    which nothing moves)."""
 
     kind: str
     tensor_dim: int = 0
@@ -45,6 +46,8 @@ class LocalStep:
     length: int = 0
     parts: int = 1
     ways: int = 1
+    box: Optional[tuple[tuple[int, int], ...]] = None  # `box`: the region of the piece kept (None: empty)
+    shape: tuple[int, ...] = ()  # `box`: the result's shape
 
 
 Instruction = Union[comm.Collective, LocalStep]
@@ -69,6 +72,11 @@ def _instruction(
     shape = tuple(length for _, length in box_of(gshape, mesh_shape, before, coordinate))
     common: dict[str, Any] = {"shape": shape, "dtype": dtype}
     kind = step.kind
+    if kind == "exchange" and step.bytes == 0:  # nothing moves: this rank's target is a box of its piece
+        routes = exchange_routes(mesh_shape, gshape, step.src_orders, step.orders, coordinate)
+        assert not routes.sends and not routes.recvs, "an exchange planned without bytes sends something"
+        return LocalStep("box", box=None if routes.keep is None else tuple(routes.keep[0]),
+                         shape=tuple(routes.out_shape))
     if kind in ("exchange", "all_reduce_mesh"):
         if whole is None:
             raise ValueError(f"the plan's {kind} step needs a group over the whole mesh, which this mesh has none of: "
@@ -150,6 +158,14 @@ def run_program(program: Program, local: torch.Tensor) -> torch.Tensor:
             kind, d = instruction.kind, instruction.tensor_dim
             if kind == "chunk":
                 local = local.narrow(d, instruction.start, instruction.length).contiguous()
+            elif kind == "box":
+                box = instruction.box
+                if box is None:
+                    local = local.new_empty(instruction.shape)
+                else:
+                    for dim, (start, length) in enumerate(box):
+                        local = local.narrow(dim, start, length)
+                    local = local.contiguous()
             elif kind in ("unstride", "stride"):
                 parts, ways = instruction.parts, instruction.ways
                 shape = list(local.shape)

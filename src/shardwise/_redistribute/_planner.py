@@ -252,7 +252,9 @@ def plan_redistribute(
             nbytes = exchange_bytes(mesh_shape, global_shape, itemsize, state[1], unreduced[1])
             # ranked as if it took many steps: a tie goes to the per-mesh-dim collectives
             key = (round(cost + nbytes / min(weights), 6), nsteps + _EXCHANGE_RANK)
-            if nbytes > 0 and key < best.get(unreduced, (math.inf, 0)):
+            # (no bytes at all: every rank's target lies in what it holds, a local slice that the
+            # per-mesh-dim steps may not reach without gathering first)
+            if key < best.get(unreduced, (math.inf, 0)):
                 best[unreduced] = key
                 step = Step("exchange", -1, state[0], unreduced[0], nbytes, unreduced[0], unreduced[1], state[1])
                 heapq.heappush(queue, (key[0], key[1], next(tie), unreduced, steps + (step,)))

@@ -54,8 +54,8 @@ process like a mesh's groups; `close()` releases it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, Optional
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,16 +65,16 @@ from .. import _comm as comm
 from .._describe import describe
 from .._groups import POINT_TO_POINT
 from .._mesh import DeviceMesh, collective_timeout
-from .._placement import Replicate
-from .._tensor import DTensor, from_local
+from .._tensor import DTensor
 from ..parallel._data_parallel import data_parallel
+from ._gradients import check_shared, reduce_gradients, shared_across_ranks, shared_groups, sum_shared_gradients
 from ._microbatch import BatchValue, gather
 from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ._stage import PipelineStage, split_module
 from ._step import StepRun
 from ._tensor_parallel import check_tp_plan, shard_stage, tp_dim_of
 from ._topology import Topology, stage_topology, uniform_topology
-from ._wire import Channel, ChannelPlan, PipelineError, RemoteFailure, Wire
+from ._wire import ChannelPlan, PipelineError, RemoteFailure, Wire
 from .skip._routes import inspect_skip_layout
 
 __all__ = ["DistributedPipe", "PipelineError"]
@@ -170,8 +170,8 @@ class DistributedPipe(nn.Module):
         self.pp_rank = topology.pp_rank
         self.skip_routes = inspect_skip_layout(partitions)  # every partition's declarations, once
         local = self.schedule.rank_stages(self.pp_rank)
-        shared = _shared_across_ranks(partitions, self.schedule.stage_rank)  # before sharding makes new objects
-        _check_shared(topology, shared, shard_parameters)
+        shared = shared_across_ranks(partitions, self.schedule.stage_rank)  # before sharding makes new objects
+        check_shared(topology, shared, shard_parameters)
         mine = {j: partitions[j].to(self.device) for j in local}
         self.tp_dim, self.tp_mesh = tp_dim, tp_mesh
         for part in mine.values():  # each stage's layers sharded over its tp sub-mesh (and over dp: ZeRO-3)
@@ -193,7 +193,7 @@ class DistributedPipe(nn.Module):
         else:  # stages of different widths: a crossing may reach any rank of the next stage
             self._group, self._group_size = _world_group(stage_mesh.device_type), dist.get_world_size()
         self._wire = Wire(self._group, self.device, len(self.plan.channels), tp_mesh=self.tp_mesh)
-        self._shared = _shared_groups(topology, shared, self.partitions, stage_mesh.device_type)
+        self._shared = shared_groups(topology, shared, self.partitions, stage_mesh.device_type)
         self._dp_group = stage_mesh.get_group(dp_dim) if dp_dim is not None else None
         self._dp_size = stage_mesh.size(dp_dim) if dp_dim is not None else 1
         self._broken: Optional[str] = None
@@ -211,8 +211,8 @@ class DistributedPipe(nn.Module):
                              "or call the pipe (forward only) for outputs")
         run = StepRun(self, train=True)
         self._execute(run, self.schedule.rank_order(self.pp_rank), input, target)
-        self._sum_shared_gradients()
-        self._reduce_gradients()
+        sum_shared_gradients(self)
+        reduce_gradients(self)
         if not self._holds(self.num_stages - 1):
             return None
         return run.loss.full_tensor() if isinstance(run.loss, DTensor) else run.loss
@@ -328,122 +328,6 @@ class DistributedPipe(nn.Module):
         self._broken = reason
         self._abandoned += self._wire.abandon()
 
-    def _sum_shared_gradients(self) -> None:
-        """A parameter that stages on several pp ranks share (tied embeddings) gets the sum of
-        their gradients on each of them, so every copy steps alike."""
-        for k, shared in enumerate(self._shared):
-            if shared.across:
-                self._sum_across(k, shared)
-            if shared.group is None:
-                continue
-            grads = [p.grad for p in shared.params]
-            try:  # a tensor-parallel copy's piece, with the same piece of the other copies
-                summed = comm.all_reduce_coalesced([_piece(g) for g in grads], shared.group, len(shared.holders),
-                                                   "sum", templates=[_local(p) for p in shared.params],
-                                                   bucket_bytes=int(self.bucket_cap_mb * 2**20))
-            except RuntimeError as exc:
-                raise PipelineError(
-                    f"rank {self.rank}: summing the gradients of {shared.names} over the pp ranks "
-                    f"{list(shared.holders)} that share them failed ({exc}): one of them probably failed") from exc
-            for p, g, piece in zip(shared.params, grads, summed):
-                if piece is not None:
-                    p.grad = _like(piece.clone(), g if g is not None else p)
-
-    def _sum_across(self, k: int, shared: _Shared) -> None:
-        """Shared parameters whose holders' tp rows differ in width: each holder sends its
-        gradients to every other by the cross-mesh planner (landing split as they are split
-        here), brings what it receives into its own copy's layout, and sums every holder's
-        term in pp order, so every copy gets the same sum."""
-        me, pp = self.pp_rank, self.topology.pp
-        if me not in shared.holders:
-            return
-        wire, m = self._wire, self.schedule.num_microbatches
-        names = ", ".join(shared.names)
-
-        def channel(src: int, dst: int) -> Channel:  # numbered past the step's channels, the same everywhere
-            index = wire.num_channels + (k * pp + src) * pp + dst
-            rows = self.topology.row(src), self.topology.row(dst)
-            return Channel(index, "shared gradient", src, dst, rows[0][0], rows[1][0], names, rows[0], rows[1])
-
-        own = tuple(_settled(p.grad, p) for p in shared.params)
-        terms: dict[int, tuple[Any, ...]] = {me: own}
-        try:
-            for h in shared.holders:
-                if h != me:
-                    wire.send(channel(me, h), m, own)
-            for h in shared.holders:
-                if h != me:
-                    received = wire.receive(channel(h, me), m, requires_grad=False)
-                    terms[h] = tuple(_into(g, p) for g, p in zip(received, shared.params))
-            wire.finish()
-        except (RemoteFailure, comm.P2PError) as exc:
-            self._give_up(str(exc))
-            raise PipelineError(f"rank {self.rank}: summing the gradients of {names} with the stages on pp indices "
-                                f"{list(shared.holders)} that share them failed ({exc}): one of them probably "
-                                "failed") from exc
-        for j, p in enumerate(shared.params):
-            total = None
-            for h in shared.holders:  # in pp order on every holder: the same sum everywhere
-                g = terms[h][j]
-                total = g if total is None else total if g is None else total + g
-            p.grad = total
-
-    def _reduce_gradients(self) -> None:
-        """Average this rank's gradients over dp: one all_reduce per bucket of about `bucket_cap_mb`
-        (under `shard_parameters`, data parallel has reduced them in backward already)."""
-        if self._dp_group is None or self._dp_size == 1 or self.shard_parameters:
-            return
-        params = [p for p in self.parameters() if p.requires_grad]
-        grads = [p.grad for p in params]
-        try:  # a tensor-parallel parameter's piece is averaged with the same piece of the other replicas
-            averaged = comm.all_reduce_coalesced([_piece(g) for g in grads], self._dp_group, self._dp_size, "avg",
-                                                 templates=[_local(p) for p in params],
-                                                 bucket_bytes=int(self.bucket_cap_mb * 2**20))
-        except RuntimeError as exc:
-            raise PipelineError(
-                f"rank {self.rank}: averaging gradients over {self.dp_dim!r} failed ({exc}): a rank of another "
-                "data-parallel replica probably failed in this step") from exc
-        for p, g, piece in zip(params, grads, averaged):
-            if piece is not None:
-                p.grad = _like(piece.clone(), g if g is not None else p)
-
-
-def _settled(grad: Optional[Tensor], param: Tensor) -> Optional[Tensor]:
-    """`grad` in its parameter's layout (a Partial gradient reduced)."""
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
-        return grad.redistribute(param.device_mesh, param.placements)
-    return grad
-
-
-def _into(value: Any, param: Tensor) -> Optional[Tensor]:
-    """A gradient that arrived from another mesh, in `param`'s layout here."""
-    if not isinstance(value, Tensor):
-        return None
-    if isinstance(param, DTensor):
-        if not isinstance(value, DTensor):  # a whole gradient: this rank's piece of it
-            value = from_local(value, param.device_mesh, tuple(Replicate() for _ in param.placements))
-        moved: Tensor = value.redistribute(param.device_mesh, param.placements)
-        return moved
-    whole: Tensor = value.full_tensor() if isinstance(value, DTensor) else value
-    return whole
-
-
-def _piece(t: Optional[Tensor]) -> Optional[Tensor]:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _like(piece: Tensor, ref: Tensor) -> Tensor:
-    """`piece` as `ref` is: a DTensor of its layout when `ref` is one."""
-    if not isinstance(ref, DTensor):
-        return piece
-    return from_local(piece, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride(),
-                      shard_order=ref.shard_order)
-
-
 def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_dim: Optional[str],
                      tp_plan: Optional[Mapping[str, Any]], schedule: str, virtual_stages: Optional[int],
                      num_stages: int, chunks: int) -> tuple[Optional[str], Optional[str]]:
@@ -518,71 +402,6 @@ def _schedule_problems(pp: int, schedule: str, virtual_stages: Optional[int], nu
             if virtual_stages not in (None, 1):
                 problems.append(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
     return problems
-
-
-class _Shared(NamedTuple):
-    holders: tuple[int, ...]  # the pp indices whose stages use these parameters
-    names: list[str]  # as "stage.parameter", for errors
-    group: Any  # this rank's pp slice's group of the holders, None when this rank holds none
-    params: list[nn.Parameter]  # this rank's (empty when it holds none)
-    across: bool = False  # the holders' tp rows differ in width: summed by crossing meshes
-
-
-def _shared_across_ranks(partitions: Sequence[nn.Module], stage_rank: Callable[[int], int]
-                         ) -> list[tuple[tuple[int, ...], str, dict[int, str]]]:
-    """(pp indices, name, its name in each stage that uses it) of every trainable parameter
-    that stages on different pp ranks use (found by identity, so before any stage is sharded)."""
-    seen: dict[int, tuple[str, list[int], dict[int, str]]] = {}
-    for j, part in enumerate(partitions):
-        for name, p in part.named_parameters(remove_duplicate=False):
-            if p.requires_grad:
-                _, holders, where = seen.setdefault(id(p), (f"{j}.{name}", [], {}))
-                where.setdefault(j, name)
-                if stage_rank(j) not in holders:
-                    holders.append(stage_rank(j))
-    return [(tuple(sorted(holders)), name, where) for name, holders, where in seen.values() if len(holders) > 1]
-
-
-def _check_shared(topology: Topology, shared: list[tuple[tuple[int, ...], str, dict[int, str]]],
-                  shard_parameters: bool) -> None:
-    """ValueError for a parameter shared by ZeRO-3 stages whose tp rows differ in width (their
-    copies are split over (dp, tp) differently; plain tp stages sum them across meshes)."""
-    for holders, name, _ in shared:
-        widths = [len(topology.grids[h][0]) for h in holders]
-        if len(set(widths)) > 1 and shard_parameters:
-            stage, inner = name.split(".", 1)
-            raise ValueError(f"parameter {inner} of stage {stage} is shared by stages on pp indices {list(holders)}, "
-                             f"whose tp rows have {widths} ranks: under shard_parameters=True a shared (tied) "
-                             "parameter needs stages of one tp width, so that each copy's piece sums with the same "
-                             "piece of the others; untie it, give those stages meshes of one tp size, or leave "
-                             "shard_parameters off")
-
-
-def _shared_groups(topology: Topology, shared: list[tuple[tuple[int, ...], str, dict[int, str]]],
-                   local: nn.ModuleDict, device_type: str) -> list[_Shared]:
-    """One process group per set of pp ranks sharing parameters, for every (dp, tp) coordinate
-    (every process creates them all, in the same order, as `new_group` requires)."""
-    by_holders: dict[tuple[int, ...], list[tuple[str, Optional[nn.Parameter]]]] = {}
-    for holders, name, where in shared:  # this rank's copy: by its name in a stage it holds
-        here = [local[str(j)].get_parameter(n) for j, n in where.items() if str(j) in local]
-        by_holders.setdefault(holders, []).append((name, here[0] if here else None))
-    backend = "nccl" if device_type == "cuda" else None
-    out = []
-    for holders, entries in by_holders.items():
-        widths = [len(topology.grids[h][0]) for h in holders]
-        params = [p for _, p in entries if p is not None]
-        if len(set(widths)) > 1:  # no piece lines up with another: summed across meshes, no group
-            out.append(_Shared(holders, [name for name, _ in entries], None, params, True))
-            continue
-        group = None
-        rows = [[grid[d][t] for grid in (topology.grids[h] for h in holders)]
-                for d in range(len(topology.grids[0])) for t in range(widths[0])]
-        for ranks in rows:
-            made = dist.new_group(ranks, timeout=collective_timeout(), backend=backend)
-            if dist.get_rank() in ranks:
-                group = made
-        out.append(_Shared(holders, [name for name, _ in entries], group if params else None, params))
-    return out
 
 
 def _default_device(mesh: DeviceMesh) -> torch.device:
