@@ -9,6 +9,7 @@ Public names mirror `torch.distributed.tensor`, so switching is an import change
 
 from ._comm import CollectiveError, CommRecord, comm_log
 from ._explain import explain_redistribute, plan_for
+from ._explicit import ImplicitRedistributionError, explicit
 from ._mesh import AbstractMesh, DeviceMesh, current_mesh, get_current_mesh, init_device_mesh
 from ._placement import Partial, Placement, Replicate, Shard
 from ._redistribute import COST_MODEL, RedistributePlan
@@ -41,6 +42,7 @@ __all__ = [
     "DTensor",
     "DTensorSpec",
     "DeviceMesh",
+    "ImplicitRedistributionError",
     "Partial",
     "Placement",
     "RedistributePlan",
@@ -54,6 +56,7 @@ __all__ = [
     "distribute_tensor",
     "empty",
     "explain_redistribute",
+    "explicit",
     "from_local",
     "full",
     "get_current_mesh",

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch._decomp import decomposition_table
 
 from .. import _comm as comm
+from .._explicit import check_explicit
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh
 from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, ScalarTensor, propagate, rule_for
@@ -333,6 +334,7 @@ def _plan_from(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: O
     mesh = _first_mesh(args, kwargs)
     where = _locations(args, kwargs)
     moves = tuple((loc, _move(s, t)) for loc, s, t in zip(where, specs, result.input_specs))
+    check_explicit(func, moves)
     outputs = result.output_spec
     single = outputs if isinstance(outputs, DTensorSpec) else None
     shape_arg, local_shape = _local_shape(result, single)
