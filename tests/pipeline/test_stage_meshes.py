@@ -253,3 +253,14 @@ def test_interleaved_stages_alternate_between_meshes_of_different_widths() -> No
         assert len(grads) == 8, (rank, sorted(grads))  # two stages of two linear layers each
         for name, g in grads.items():
             torch.testing.assert_close(g, reference[name].grad, rtol=0, atol=1e-10, msg=lambda m: f"{rank} {name}: {m}")
+
+
+def _no_dp_to_shard_over() -> None:
+    meshes = [sw.DeviceMesh("cpu", [0, 1], mesh_dim_names=("tp",)), sw.DeviceMesh("cpu", [2], mesh_dim_names=("tp",))]
+    with pytest.raises(ValueError, match=r"shard_parameters=True splits parameters over the data-parallel dim, but "
+                                         r"the mesh has none: .*\('dp', 'tp'\) stage meshes"):
+        DistributedPipe(_model(), [3, 3], meshes, tp_plan=PLAN, shard_parameters=True, loss_fn=F.mse_loss)
+
+
+def test_zero3_over_stage_meshes_without_a_dp_dim_is_refused() -> None:
+    run_distributed(_no_dp_to_shard_over, 3, timeout=60)

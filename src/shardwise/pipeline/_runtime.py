@@ -155,7 +155,8 @@ class DistributedPipe(nn.Module):
             zero_mesh = stage_mesh
         if shard_parameters and dp_dim is None:
             raise ValueError("shard_parameters=True splits parameters over the data-parallel dim, but the mesh has "
-                             "none: build it with a 'dp' dim (e.g. ('pp', 'dp', 'tp')) or pass dp_dim=")
+                             "none: build it with a 'dp' dim (e.g. ('pp', 'dp', 'tp'), or ('dp', 'tp') stage meshes) "
+                             "or pass dp_dim=")
         partitions = split_module(module, balance, chunks=chunks, checkpoint=checkpoint, allow_shared=True)
         check_tp_plan(tp_plan, partitions)
         pp = topology.pp
