@@ -109,7 +109,8 @@ def check_plan(
             assert (step.dst, step.placements, step.orders) == (unreduced, unreduced, target_orders), where
             want = exchange_oracle_bytes(mesh_shape, global_shape, placements, orders, target_orders) * itemsize
             assert step.bytes == want, f"{where}: {step.bytes} bytes, the oracle says {want}"
-            assert len(mesh_shape) > 1 and step.bytes > 0, where
+            # (0 bytes: every rank's target box lies in what it holds, a local slice at run time)
+            assert len(mesh_shape) > 1, where
             cost += step.bytes / (min(bandwidth) if bandwidth else 1.0)
             placements, orders = unreduced, target_orders
             assert (placements, orders) not in seen, f"{where}: revisits a state"
