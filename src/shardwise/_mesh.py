@@ -25,6 +25,8 @@ from ._groups import GROUPS, collective_timeout, crossing_group, group_for
 __all__ = ["AbstractMesh", "DeviceMesh", "init_device_mesh", "current_mesh", "get_current_mesh", "collective_timeout"]
 
 MeshDim = Union[int, str]
+# How an AbstractMesh finds its dry twin (a DeviceMesh with no processes): set by `_mesh_dry`
+DRY_TWIN: list[Any] = [None]
 
 
 class AbstractMesh:
@@ -84,6 +86,12 @@ class AbstractMesh:
 
     def abstract(self) -> AbstractMesh:
         return self
+
+    def __getitem__(self, names: Union[str, Sequence[str]]) -> DeviceMesh:
+        """The sub-mesh over the named dims, on this mesh's dry twin (`_mesh_dry.DryMesh`), so
+        that plans for a dry run name `mesh["tp"]` as they would on a real mesh."""
+        twin: DeviceMesh = DRY_TWIN[0](self)
+        return twin[names]
 
     @property
     def has_mesh_group(self) -> bool:

@@ -97,7 +97,10 @@ def all_reduce_coalesced(
             except CollectiveError as exc:
                 raise exc.add_operation(f"bucket {number} of {len(buckets)} ({len(bucket)} tensors, "
                                         f"{flat.numel() * flat.element_size()} B)")
-        used = flat[-len(bucket):].tolist() if flags else [1.0] * len(bucket)
+        if not flags:
+            used = [1.0] * len(bucket)
+        else:  # a dry run's meta flags: every rank is taken to have what this one has
+            used = present if flat.is_meta else flat[-len(bucket):].tolist()
         offset = 0
         for k, flag in zip(bucket, used):
             t = like[k]

@@ -32,6 +32,8 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.distributed as dist
 
+from .._mesh_dry import DryGroup, simulated_rank
+
 __all__ = [
     "AllGather",
     "AllReduce",
@@ -84,6 +86,11 @@ class Collective:
     def __str__(self) -> str:
         dims = f" over mesh dims {list(self.mesh_dims)}" if self.mesh_dims else ""
         return f"{self.kind} of {list(self.shape)} {self.dtype} on {self.size} ranks{dims} ({self.bytes_received} B in)"
+
+
+def _rank(group: Any) -> int:
+    """This process's global rank, or the rank a dry mesh's group plays."""
+    return simulated_rank() if type(group) is DryGroup else dist.get_rank()
 
 
 def _pad_to(t: torch.Tensor, tensor_dim: int, size: int) -> torch.Tensor:
@@ -307,7 +314,7 @@ class Broadcast(Collective):
 
     @property
     def bytes_received(self) -> int:
-        return 0 if dist.get_rank() == self.src else math.prod(self.shape) * self.itemsize
+        return 0 if _rank(self.group) == self.src else math.prod(self.shape) * self.itemsize
 
     def issue(self, local: torch.Tensor, async_op: bool) -> Issued:
         t = local.contiguous()

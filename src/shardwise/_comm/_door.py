@@ -26,12 +26,14 @@ import hashlib
 import os
 from collections.abc import Iterator
 from datetime import timedelta
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from .._mesh import collective_timeout
+from .._mesh_dry import DryGroup
+from . import _dry
 from ._async import has_pending, wait_pending
 from ._collectives import AllGather, AllReduce, Broadcast, Collective, Finish, ReduceScatter
 from ._fault import CollectiveError, checking, diagnose, group_ranks, next_number, note_process, verify_agreement
@@ -57,6 +59,7 @@ class CommRecord:
     op: str
     group_size: int
     bytes_received: int
+    mesh_dims: tuple[int, ...] = field(default=(), kw_only=True)  # the mesh dims the group spans, when known
 
 
 class Interceptor:
@@ -110,7 +113,17 @@ def notify(record: CommRecord) -> None:
 
 
 def _record(collective: Collective) -> CommRecord:
-    return CommRecord(collective.kind, collective.size, collective.bytes_received)
+    group = collective.group
+    dims = group.dims if type(group) is DryGroup else collective.mesh_dims
+    return CommRecord(collective.kind, collective.size, collective.bytes_received, mesh_dims=dims)
+
+
+def _answer_dry(collective: Collective, local: torch.Tensor) -> torch.Tensor:
+    """A dry mesh's collective: told to every hook, answered without a process (`_dry`)."""
+    record = _record(collective)
+    for hook in _HOOKS.get():
+        hook.observe(record)
+    return _dry.answer(collective, local)
 
 
 def run(collective: Collective, local: torch.Tensor, *, traceable: bool = True) -> torch.Tensor:
@@ -120,6 +133,8 @@ def run(collective: Collective, local: torch.Tensor, *, traceable: bool = True) 
     hook never takes those over."""
     if has_pending():
         wait_pending()
+    if type(collective.group) is DryGroup:
+        return _answer_dry(collective, local)
     hooks = _HOOKS.get()
     if hooks:
         if traceable:
@@ -218,6 +233,8 @@ def start(collective: Collective, local: torch.Tensor) -> Started:
     issue order. Under a synchronous hook it runs here, and the handle is already done."""
     if has_pending():
         wait_pending()
+    if type(collective.group) is DryGroup:
+        return Started(None, None, _answer_dry(collective, local))
     hooks = _HOOKS.get()
     if any(h.synchronous or h.takes_over(collective) for h in hooks):
         return Started(None, None, run(collective, local))

@@ -23,6 +23,7 @@ from .._layout import (
     normalize_shard_order,
 )
 from .._mesh import DeviceMesh, _find_mesh, get_current_mesh
+from .._mesh_dry import as_device_mesh
 from .._placement import Partial, Placement, Replicate, Shard, _strided_shard
 from .._spec import DTensorSpec, TensorMeta, _spec_from
 from .._ops._random import neutral_term
@@ -40,7 +41,7 @@ __all__ = ["from_local", "distribute_tensor", "zeros", "ones", "empty", "full", 
 
 
 def _resolve(device_mesh: Optional[DeviceMesh], placements: Optional[Sequence[Placement]]) -> tuple[DeviceMesh, Sequence[Placement]]:
-    mesh = device_mesh if device_mesh is not None else get_current_mesh()
+    mesh = as_device_mesh(device_mesh if device_mesh is not None else get_current_mesh())
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a DeviceMesh, got {describe(mesh)}: build one with shardwise.init_device_mesh")
     if placements is None:
@@ -227,7 +228,7 @@ def distribute_tensor(
                 f"src_data_rank={src_data_rank} is not a position in the mesh of {mesh.size()} ranks: "
                 f"use an index in [0, {mesh.size() - 1}] (row-major over {mesh.mesh.tolist()}) or None"
             )
-        src_coord = tuple(int(c) for c in torch.unravel_index(torch.tensor(src_data_rank), mesh.shape))
+        src_coord = tuple(int(c) for c in torch.unravel_index(torch.tensor(src_data_rank, device="cpu"), mesh.shape))
         local = _scatter(full, target, src_coord)
         if local is None:  # a layout split part by part, or a sub-mesh without one group: broadcast first
             full = full.clone()

@@ -22,6 +22,7 @@ import torch
 from .. import _comm as comm
 from .._layout import ShardOrder, ShardOrderLike, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh
+from .._mesh_dry import as_device_mesh
 from .._ops._utils import order_like
 from .._partition_spec import PartitionEntry, from_placements
 from .._placement import Partial, Placement, Replicate
@@ -183,7 +184,7 @@ class DTensor(DTensorBase, role="plain"):
         does everything inside `shardwise.compile`'s trace.
         """
         spec = self._spec
-        mesh = spec.mesh if device_mesh is None else device_mesh
+        mesh = spec.mesh if device_mesh is None else as_device_mesh(device_mesh)
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"redistribute(device_mesh=...) takes a DeviceMesh, got {mesh!r} of type "
                             f"{type(mesh).__name__}: pass the target mesh (shardwise.DeviceMesh or init_device_mesh), "

@@ -5,6 +5,10 @@
   collectives with their bytes, and the `redistribute(...)` that makes it explicit.
 - `CommCounter(model)`: collectives and bytes per module path, forward and backward apart,
   printed as a tree (`comm_log()` lists every record in order).
+- `dry_run(step, *args, mesh=AbstractMesh(shape, names))`: one step of a model sharded on an
+  abstract mesh, run with meta tensors as one rank of a mesh of any size: every collective
+  (kind, mesh dims, bytes, op, module) and the memory per rank (parameters, gradients,
+  optimizer state, activations), as a table or JSON.
 - `explain_redistribute(...)` / `plan_for(...)`: a redistribution's plan, purely.
 """
 
@@ -12,5 +16,20 @@ from .._comm import CommRecord, comm_log
 from .._explain import explain_redistribute, plan_for
 from .._explicit import ImplicitRedistributionError, explicit
 from ._counter import CommCounter
+from ._dry_run import dry_run
+from ._report import DryCollective, DryRunReport, MemoryReport, RankReport
 
-__all__ = ["CommCounter", "CommRecord", "ImplicitRedistributionError", "comm_log", "explain_redistribute", "explicit", "plan_for"]
+__all__ = [
+    "CommCounter",
+    "CommRecord",
+    "DryCollective",
+    "DryRunReport",
+    "ImplicitRedistributionError",
+    "MemoryReport",
+    "RankReport",
+    "comm_log",
+    "dry_run",
+    "explain_redistribute",
+    "explicit",
+    "plan_for",
+]

@@ -47,6 +47,7 @@ from .. import _comm as comm
 from .._describe import describe
 from .._layout import ShardOrder, contiguous_strides, normalize_shard_order
 from .._mesh import DeviceMesh
+from .._mesh_dry import DryMesh, as_device_mesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._spec import DTensorSpec, TensorMeta
 from .._tensor import DTensor
@@ -235,6 +236,7 @@ def data_parallel(
     problems: list[str] = []
     if not isinstance(module, nn.Module):
         raise TypeError(f"data_parallel takes an nn.Module, got {describe(module)}")
+    device_mesh = as_device_mesh(device_mesh)
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(
             f"device_mesh must be a DeviceMesh, got {describe(device_mesh)}: use shardwise.init_device_mesh"
@@ -288,6 +290,8 @@ def _rest_mesh(mesh: DeviceMesh, d: int) -> Optional[DeviceMesh]:
         return None
     if mesh.mesh_dim_names is not None:
         return mesh[tuple(mesh.mesh_dim_names[i] for i in rest)]
+    if isinstance(mesh, DryMesh):
+        return mesh.sub(rest)
     coordinate = mesh.get_coordinate()
     assert coordinate is not None  # checked by the caller
     index: list[Any] = [slice(None) if i != d else coordinate[d] for i in range(mesh.ndim)]
@@ -451,6 +455,7 @@ def global_mean(value: Union[torch.Tensor, DTensor], mesh: DeviceMesh, dp_dim: O
     Detached: not for backward. With equal batches per dp rank this is the loss
     of the whole global batch.
     """
+    mesh = as_device_mesh(mesh)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"global_mean needs the DeviceMesh the value lives on, got {describe(mesh)}")
     names = mesh.mesh_dim_names

@@ -26,6 +26,7 @@ from torch import nn
 from .._describe import describe
 from .._layout import ShardOrderLike, format_placements, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh, get_current_mesh
+from .._mesh_dry import as_device_mesh
 from .._placement import Placement, Replicate
 from .._tensor import DTensor, distribute_tensor
 
@@ -170,7 +171,7 @@ def distribute_module(
     out_arity = (
         _arity(output_fn, "output_fn", "(module, outputs, device_mesh)", "(outputs, device_mesh)") if output_fn else 0
     )
-    mesh = device_mesh if device_mesh is not None else get_current_mesh()
+    mesh = as_device_mesh(device_mesh if device_mesh is not None else get_current_mesh())
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"distribute_module needs a DeviceMesh, got {describe(mesh)}: build one with shardwise.init_device_mesh")
     ties = Ties(module)

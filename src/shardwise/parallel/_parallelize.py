@@ -26,6 +26,7 @@ from torch import nn
 
 from .._describe import describe
 from .._mesh import DeviceMesh, get_current_mesh
+from .._mesh_dry import as_device_mesh
 from .._tensor import DTensor
 from ._distribute import Ties, distribute_module, place_parameter
 from ._plan import PlanEntry, Sharder, ShardingPlan, ShardingPlanner, resolve, to_layout
@@ -35,7 +36,7 @@ __all__ = ["shard_module", "parallelize_module"]
 
 
 def _mesh(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
-    mesh = device_mesh if device_mesh is not None else get_current_mesh()
+    mesh = as_device_mesh(device_mesh if device_mesh is not None else get_current_mesh())
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{what} needs a DeviceMesh, got {describe(mesh)}: build one with shardwise.init_device_mesh")
     return mesh

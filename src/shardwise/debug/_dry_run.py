@@ -1,0 +1,402 @@
+"""`dry_run`: one step of a sharded program for a mesh of any size, on one process, with no data.
+
+The model is sharded as usual but on an `AbstractMesh` (plans, styles and `data_parallel`
+take one and shard meta parameters over a `DryMesh`, see `_mesh_dry`); `dry_run(fn, *args,
+mesh=...)` then calls `fn` as one rank of that mesh. Every op runs its real strategy and
+every redistribute its real plan; tensors are meta (shapes, no data) and the door answers
+each collective with an empty result of the right shape. What the run sees:
+
+- every collective the rank issues: kind, mesh dims, group size, bytes received, the op
+  that caused it (the aten op being dispatched; "-" outside one: an explicit redistribute,
+  a gradient hook) and the module path and pass (forward / backward) it fell in;
+- the memory the rank holds op by op: every tensor storage made is followed from the op
+  that made it to the moment it dies (a weak reference per storage, looked at after every
+  op), so the peak is that of the program as PyTorch would run it, saved activations
+  included; each storage is counted once, in the category it ends in: parameters (the
+  pieces of the modules' parameters), gradients (their `.grad`), optimizer state (every
+  tensor in the optimizers' `state`), activations (everything else).
+
+Modules and optimizers are found among `fn`'s arguments (also inside lists, tuples and
+dicts); tensors among them that are not DTensors are moved to the meta device first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._comm import CommRecord
+from .._mesh import AbstractMesh
+from .._mesh_dry import DryMesh, as_device_mesh, simulating
+from .._tensor._wrap import DTENSOR_CLASSES
+from ._counter import CommCounter
+from ._report import CATEGORIES, DryCollective, DryRunReport, MemoryReport, RankReport
+
+__all__ = ["dry_run"]
+
+
+def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optional[Sequence[int]] = None,
+            **kwargs: Any) -> DryRunReport:
+    """Run `fn(*args, **kwargs)` as rank(s) `ranks` (default: rank 0) of the abstract `mesh`
+    with meta tensors, and report what each rank would send and hold (see the module docstring).
+
+    The model must be sharded on the same abstract mesh (`parallelize_module(model, mesh,
+    plan)`, `data_parallel(model, mesh, ...)` with an `AbstractMesh`), its parameters on the
+    meta device (`with torch.device("meta"): model = Model(config)`). With several `ranks`,
+    each starts from the state the first found (the parameters' `.grad` and the optimizers'
+    state are put back between ranks), so every rank runs the same step.
+    """
+    if not callable(fn):
+        raise TypeError(f"dry_run runs a callable (one training step), got {type(fn).__name__}")
+    dry = _dry_mesh(mesh)
+    if ranks is None:
+        ranks = [0]
+    ranks = list(ranks)
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < dry.size()]
+    if bad or not ranks:
+        raise ValueError(f"dry_run(ranks={ranks!r}): give ranks of the mesh {dry.shape}, ints in [0, {dry.size() - 1}]")
+    _check_meshes(args, kwargs, dry)
+    start = time.perf_counter()
+    found = list(_walk((args, kwargs)))
+    saved = _State(found)
+    reports = []
+    for number, rank in enumerate(ranks):
+        if number:
+            saved.restore()
+        reports.append(_one_rank(fn, args, kwargs, found, dry, rank))
+    return DryRunReport(dry.shape, dry.mesh_dim_names, reports, time.perf_counter() - start)
+
+
+def _dry_mesh(mesh: Any) -> DryMesh:
+    found = as_device_mesh(mesh)
+    if not isinstance(found, DryMesh):
+        raise TypeError(f"dry_run(mesh=...) takes an AbstractMesh (shape and dim names, no processes), got {mesh!r}: "
+                        f"e.g. shardwise.AbstractMesh((8, 8), ('dp', 'tp')), the mesh the model was sharded on")
+    return found
+
+
+def _walk(value: Any, seen: Optional[set[int]] = None) -> Iterator[Any]:
+    """Every module, optimizer and tensor in `value` (through lists, tuples and dicts)."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, (nn.Module, torch.optim.Optimizer, torch.Tensor)):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _walk(v, seen)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _walk(v, seen)
+
+
+def _dtensors(found: list[Any]) -> Iterator[Any]:
+    for item in found:
+        if isinstance(item, nn.Module):
+            yield from (t for t in item.parameters() if type(t) in DTENSOR_CLASSES or isinstance(t, nn.Parameter))
+            yield from item.buffers()
+            yield from (p.grad for p in item.parameters() if p.grad is not None)
+        elif isinstance(item, torch.optim.Optimizer):
+            for state in item.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        else:
+            yield item
+
+
+def _check_meshes(args: tuple[Any, ...], kwargs: dict[str, Any], dry: DryMesh) -> None:
+    """Refuse DTensors on a mesh with processes, or on another dry mesh: a dry run sends nothing."""
+    problems = []
+    for t in _dtensors(list(_walk((args, kwargs)))):
+        if type(t) in DTENSOR_CLASSES:
+            mesh = t._spec.mesh
+            if not isinstance(mesh, DryMesh):
+                problems.append(f"a DTensor of shape {tuple(t.shape)} lives on {mesh!r}, which has processes")
+            elif mesh._root != dry._root:
+                problems.append(f"a DTensor of shape {tuple(t.shape)} lives on {mesh!r}, not on {dry!r}")
+    if problems:
+        raise ValueError("dry_run: " + "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+                         + ": shard the model on the AbstractMesh given as mesh= (e.g. parallelize_module(model, "
+                         "AbstractMesh(shape, names), plan)), with its parameters on the meta device")
+
+
+def _to_meta(value: Any) -> Any:
+    """Plain tensors of the arguments as meta tensors (DTensors, modules and optimizers kept)."""
+    if isinstance(value, torch.Tensor):
+        if type(value) in DTENSOR_CLASSES or value.is_meta:
+            return value
+        return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_to_meta(v) for v in value)
+    if isinstance(value, list):
+        return [_to_meta(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+def _relocalize(found: list[Any]) -> None:
+    """Give every DTensor on a dry mesh the piece the simulated rank holds (a meta tensor of
+    that rank's shape): pieces made while another rank was simulated differ where uneven."""
+    for t in _dtensors(found):
+        if type(t) not in DTENSOR_CLASSES or not isinstance(t._spec.mesh, DryMesh):
+            continue
+        spec, local = t._spec, t._local_tensor
+        coordinate = spec.mesh.get_coordinate()
+        shape = spec.local_shape_and_offset(coordinate)[0]
+        if tuple(local.shape) != shape:
+            t._local_tensor = torch.empty(shape, dtype=local.dtype, device="meta")
+
+
+class _State:
+    """The parameters' gradients and the optimizers' state as a dry run found them, to put back
+    before the next simulated rank runs the step again (meta tensors: only shapes to keep)."""
+
+    def __init__(self, found: list[Any]) -> None:
+        self.grads = [(p, p.grad) for m in found if isinstance(m, nn.Module) for p in m.parameters()]
+        self.states = [(o, {p: {k: v.clone() if isinstance(v, torch.Tensor) and not v.is_meta else v
+                                for k, v in st.items()} for p, st in o.state.items()})
+                       for o in found if isinstance(o, torch.optim.Optimizer)]
+
+    def restore(self) -> None:
+        for p, g in self.grads:
+            p.grad = g
+        for o, state in self.states:
+            o.state.clear()
+            o.state.update({p: dict(st) for p, st in state.items()})
+
+
+def _one_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], found: list[Any], dry: DryMesh,
+              rank: int) -> RankReport:
+    modules = [m for m in found if isinstance(m, nn.Module)]
+    optimizers = [o for o in found if isinstance(o, torch.optim.Optimizer)]
+    args, kwargs = _to_meta(args), _to_meta(kwargs)
+    with simulating(rank):
+        _relocalize(found)
+        counter = _Recorder(modules[0] if len(modules) == 1 else None)
+        memory = _Memory(counter)
+        counter.memory = memory
+        for t in _dtensors(found):
+            memory.track(t, start=True)
+        with counter, memory, _AsOnCpu():
+            fn(*args, **kwargs)
+        memory.close()
+        return RankReport(rank, tuple(dry.get_coordinate() or ()), counter.collectives(dry),
+                          memory.report(modules, optimizers), sorted(memory.uneven, key=str))
+
+
+class _Recorder(CommCounter):
+    """A CommCounter that also keeps every record with the op that caused it."""
+
+    def __init__(self, model: Optional[nn.Module]) -> None:
+        super().__init__(model)
+        self.records: list[tuple[CommRecord, str, str, str]] = []
+        self.memory: Optional[_Memory] = None
+
+    def _file(self, record: CommRecord) -> None:
+        super()._file(record)
+        backward = torch._C._current_graph_task_id() != -1
+        op = self.memory.op if self.memory is not None and self.memory.op is not None else "-"
+        self.records.append((record, op, self.module_path(backward), "backward" if backward else "forward"))
+
+    def module_path(self, backward: Optional[bool] = None) -> str:
+        if backward is None:
+            backward = torch._C._current_graph_task_id() != -1
+        stack = self._forward if self._forward else (self._backward if backward else [])
+        return stack[-1] if stack else ""
+
+    def collectives(self, dry: DryMesh) -> list[DryCollective]:
+        names = dry.mesh_dim_names
+        out = []
+        for record, op, path, which in self.records:
+            dims = tuple(names[d] if names else str(d) for d in record.mesh_dims)
+            out.append(DryCollective(record.op, dims, record.group_size, record.bytes_received, op, path, which))
+        return out
+
+
+def _weak(storage: Any) -> Any:
+    return StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+
+
+def _storage(t: Any) -> Any:
+    if type(t) in DTENSOR_CLASSES:
+        t = t._local_tensor
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _Memory(TorchDispatchMode):
+    """Follows every storage the ops make, from the op that makes it to its death."""
+
+    def __init__(self, counter: _Recorder) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.counter = counter
+        self.clock = 0
+        self.op: Optional[str] = None
+        # storage key -> [weak ref, bytes, made at, module path]; closed: (key, bytes, made, died, path)
+        self.live: dict[int, list[Any]] = {}
+        self.closed: list[tuple[int, int, int, Optional[int], str]] = []
+        self.uneven: set[str] = set()
+        self._specs: set[Any] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        outer, self.op = self.op, str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            self.op = outer
+        self.clock += 1
+        self._sweep()
+        for t in _outputs(out):
+            self.track(t)
+        return out
+
+    def track(self, t: Any, start: bool = False) -> None:
+        if type(t) in DTENSOR_CLASSES:
+            self._note_spec(t._spec)
+        storage = _storage(t)
+        if storage is None:
+            return
+        key = storage._cdata
+        entry = self.live.get(key)
+        if entry is not None:
+            if not entry[0].expired():
+                return
+            self._end(key, entry)
+        self.live[key] = [_weak(storage), storage.nbytes(), 0 if start else self.clock,
+                          self.counter.module_path()]
+
+    def _end(self, key: int, entry: list[Any], died: Optional[int] = None) -> None:
+        del self.live[key]
+        self.closed.append((key, entry[1], entry[2], self.clock if died is None else died, entry[3]))
+
+    def _sweep(self) -> None:
+        dead = [(k, e) for k, e in self.live.items() if e[0].expired()]
+        for k, e in dead:
+            self._end(k, e)
+
+    def _note_spec(self, spec: Any) -> None:
+        if spec in self._specs:
+            return
+        self._specs.add(spec)
+        names = spec.mesh.mesh_dim_names
+        for d, mesh_dims in spec.split_orders().items():
+            size = spec.shape[d]
+            for m in mesh_dims:
+                n = spec.mesh.shape[m]
+                if size % n:
+                    self.uneven.add(names[m] if names else str(m))
+                size = -(-size // n)
+
+    def close(self) -> None:
+        self.clock += 1
+        self._sweep()
+
+    def report(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> MemoryReport:
+        """Peaks per category and of the total, with the split at the total's peak and per module."""
+        category: dict[int, str] = {}
+        owner: dict[int, str] = {}
+        for module in modules:
+            for name, p in module.named_parameters(remove_duplicate=True):
+                path = name.rpartition(".")[0]
+                for which, t in (("parameters", p), ("gradients", p.grad)):
+                    s = _storage(t) if t is not None else None
+                    if s is not None:
+                        category.setdefault(s._cdata, which)
+                        owner.setdefault(s._cdata, path)
+        paths = {id(p): name.rpartition(".")[0] for module in modules for name, p in module.named_parameters()}
+        for opt in optimizers:
+            for param, state in opt.state.items():
+                for v in state.values():
+                    s = _storage(v) if isinstance(v, torch.Tensor) else None
+                    if s is not None:
+                        category.setdefault(s._cdata, "optimizer")
+                        owner.setdefault(s._cdata, paths.get(id(param), ""))
+        spans = list(self.closed) + [(k, e[1], e[2], None, e[3]) for k, e in self.live.items()]
+        events: list[tuple[int, int, int]] = []  # (time, +1 made / -1 died, span index)
+        for i, (key, nbytes, made, died, path) in enumerate(spans):
+            events.append((made, 1, i))
+            if died is not None:
+                events.append((died, -1, i))
+        events.sort(key=lambda e: (e[0], e[1]))  # at one tick, deaths before births
+        now = dict.fromkeys(CATEGORIES, 0)
+        peaks = dict(now)
+        total, best, at_best, best_time = 0, -1, dict(now), 0
+        live_at: set[int] = set()
+        best_live: set[int] = set()
+        for k, (time_, sign, i) in enumerate(events):
+            key, nbytes = spans[i][0], spans[i][1]
+            which = _category(category, spans[i])
+            now[which] += sign * nbytes
+            total += sign * nbytes
+            if sign > 0:
+                live_at.add(i)
+            else:
+                live_at.discard(i)
+            peaks[which] = max(peaks[which], now[which])
+            last_of_tick = k + 1 == len(events) or events[k + 1][0] != time_
+            if last_of_tick and total > best:
+                best, at_best, best_time, best_live = total, dict(now), time_, set(live_at)
+        per_module: dict[str, dict[str, int]] = {}
+        for i in best_live:
+            key, nbytes, _, _, path = spans[i]
+            which = _category(category, spans[i])
+            where = owner.get(key, path) if which != "activations" else path
+            row = per_module.setdefault(where, dict.fromkeys(CATEGORIES, 0))
+            row[which] += nbytes
+        return MemoryReport(peaks, max(best, 0), at_best, best_time, self.clock, per_module)
+
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+_FLASH_CPU = 1  # torch's SDPBackend.flash_attention
+
+
+class _AsOnCpu(TorchFunctionMode):
+    """Attention picks its kernel by device: on meta tensors torch takes the unfused math path,
+    whose ops would shard (and communicate) otherwise than a CPU rank's fused kernel. Here
+    the kernel is the one a CPU rank would pick, asked of CPU stand-ins of one row each with
+    the same dtypes and head sizes (what the choice depends on)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is _SDPA:
+            bound = dict(zip(_SDPA_ARGS, args), **kwargs)
+            q = bound.get("query")
+            if isinstance(q, torch.Tensor) and q.is_meta and not bound.get("enable_gqa", False):
+                choice = torch.ops.aten._fused_sdp_choice.default(
+                    *[_stand_in(a) for a in args], **{k: _stand_in(v) for k, v in kwargs.items()})
+                if choice == _FLASH_CPU:
+                    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+                        bound["query"], bound["key"], bound["value"], bound.get("dropout_p", 0.0),
+                        bound.get("is_causal", False), attn_mask=bound.get("attn_mask"), scale=bound.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+def _stand_in(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty((1,) * (t.ndim - 1) + (t.shape[-1],), dtype=t.dtype, device="cpu")
+
+
+def _category(category: dict[int, str], span: tuple[int, int, int, Optional[int], str]) -> str:
+    """A storage alive at the end is what it is then (a parameter, a gradient, optimizer
+    state); one that died was an activation (a key is an address, reused once freed)."""
+    return category.get(span[0], "activations") if span[3] is None else "activations"
+
+
+def _outputs(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _outputs(o)
