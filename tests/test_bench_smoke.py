@@ -45,7 +45,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "checkpoint",
-                                         "collective_bookkeeping", "cross_mesh"}
+                                         "collective_bookkeeping", "cross_mesh", "dry_run"}
 
 
 def test_every_overhead_row_is_there_for_both_libraries(quick_run: Any) -> None:
@@ -129,3 +129,12 @@ def test_entry_point_rejects_unknown_benchmarks() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "nope" in proc.stderr and "overhead,redistribute,overlap,steps,memory" in proc.stderr
+
+
+def test_the_dry_run_row_reports_both_sides(quick_run: Any) -> None:
+    proc, record = quick_run
+    rows = {r["who"]: r for r in record["benchmarks"]["dry_run"]["rows"]}
+    assert set(rows) == {"shardwise dry_run", "torch fake PG + FakeTensorMode"}
+    for r in rows.values():
+        assert isinstance(r["seconds"], float) and r["seconds"] > 0 and r["rss"] > 0, r
+    assert "collectives" in rows["shardwise dry_run"]["reports"] and "dry run of a 2-layer" in proc.stdout

@@ -183,8 +183,9 @@ def _one_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         counter = _Recorder(modules[0] if len(modules) == 1 else None)
         memory = _Memory(counter)
         counter.memory = memory
+        params = {id(p) for m in modules for p in m.parameters()}
         for t in _dtensors(found):
-            memory.track(t, start=True)
+            memory.track(t, pinned=id(t) in params)
         with counter, memory, _AsOnCpu():
             fn(*args, **kwargs)
         memory.close()
@@ -225,6 +226,9 @@ def _weak(storage: Any) -> Any:
     return StorageWeakRef(storage)  # type: ignore[no-untyped-call]
 
 
+_expired = torch.UntypedStorage._expired  # whether a storage's weak reference outlived it
+
+
 def _storage(t: Any) -> Any:
     if type(t) in DTENSOR_CLASSES:
         t = t._local_tensor
@@ -244,6 +248,7 @@ class _Memory(TorchDispatchMode):
         self.op: Optional[str] = None
         # storage key -> [weak ref, bytes, made at, module path]; closed: (key, bytes, made, died, path)
         self.live: dict[int, list[Any]] = {}
+        self.watched: dict[int, int] = {}  # the live storages that may die: key -> weak reference
         self.closed: list[tuple[int, int, int, Optional[int], str]] = []
         self.uneven: set[str] = set()
         self._specs: set[Any] = set()
@@ -255,34 +260,52 @@ class _Memory(TorchDispatchMode):
         finally:
             self.op = outer
         self.clock += 1
-        self._sweep()
-        for t in _outputs(out):
-            self.track(t)
+        made = [s for s in map(self._new, _outputs(out)) if s is not None]
+        if made:  # the peak can only rise here: look for deaths first, then count the births
+            self._sweep()
+            for storage in made:
+                self._add(storage, self.clock, pinned=False)
         return out
 
-    def track(self, t: Any, start: bool = False) -> None:
+    def _new(self, t: Any) -> Any:
+        """`t`'s storage if it is one not seen alive yet, else None."""
         if type(t) in DTENSOR_CLASSES:
             self._note_spec(t._spec)
         storage = _storage(t)
         if storage is None:
-            return
+            return None
+        entry = self.live.get(storage._cdata)
+        return storage if entry is None or _expired(entry[0].cdata) else None
+
+    def track(self, t: Any, pinned: bool = False) -> None:
+        """Count `t`'s storage as alive from the start (`pinned`: it cannot die in the step, a
+        parameter's piece, so it is not looked at after every op)."""
+        storage = self._new(t)
+        if storage is not None:
+            self._add(storage, 0, pinned)
+
+    def _add(self, storage: Any, made: int, pinned: bool) -> None:
         key = storage._cdata
         entry = self.live.get(key)
         if entry is not None:
-            if not entry[0].expired():
+            if not _expired(entry[0].cdata):
                 return
             self._end(key, entry)
-        self.live[key] = [_weak(storage), storage.nbytes(), 0 if start else self.clock,
-                          self.counter.module_path()]
+        weak = _weak(storage)
+        self.live[key] = [weak, storage.nbytes(), made, self.counter.module_path()]
+        if not pinned:
+            self.watched[key] = weak.cdata
 
     def _end(self, key: int, entry: list[Any], died: Optional[int] = None) -> None:
         del self.live[key]
+        self.watched.pop(key, None)
         self.closed.append((key, entry[1], entry[2], self.clock if died is None else died, entry[3]))
 
     def _sweep(self) -> None:
-        dead = [(k, e) for k, e in self.live.items() if e[0].expired()]
-        for k, e in dead:
-            self._end(k, e)
+        expired = _expired
+        dead = [k for k, c in self.watched.items() if expired(c)]
+        for k in dead:
+            self._end(k, self.live[k])
 
     def _note_spec(self, spec: Any) -> None:
         if spec in self._specs:
