@@ -36,16 +36,31 @@ def simulated_rank() -> int:
     return _SIMULATED.get()
 
 
+# Caches whose entries hold one rank's view (a plan's local shapes, a collective's `index`):
+# emptied whenever the simulated rank changes (their modules append their `clear`s here)
+PER_RANK_CACHES: list[Any] = []
+_CACHED_FOR = [0]
+
+
+def _caches_for(rank: int) -> None:
+    if rank != _CACHED_FOR[0]:
+        for clear in PER_RANK_CACHES:
+            clear()
+        _CACHED_FOR[0] = rank
+
+
 @contextlib.contextmanager
 def simulating(rank: int) -> Iterator[None]:
     """Inside the block, every DryMesh plays global rank `rank`."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"a simulated rank is an int >= 0, got {rank!r}")
     token = _SIMULATED.set(rank)
+    _caches_for(rank)
     try:
         yield
     finally:
         _SIMULATED.reset(token)
+        _caches_for(_SIMULATED.get())
 
 
 @dataclass(frozen=True)

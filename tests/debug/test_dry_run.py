@@ -88,3 +88,79 @@ def test_a_dry_run_reports_what_each_real_rank_sends_and_holds(shape: tuple[int,
     assert report.symmetric()
     text = str(report)
     assert "all_reduce" in text and "memory peak" in text
+
+
+def _mlp(mesh: Any) -> tuple[Any, Any]:
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 30), torch.nn.ReLU(), torch.nn.Linear(30, 8))  # 30 / 4: uneven
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _mlp_step(model: Any, opt: Any, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def _real_mlp() -> tuple[list[tuple[str, int, int]], dict[str, int]]:
+    model, opt = _mlp(sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)))
+    with sw.comm_log() as log:
+        _mlp_step(model, opt, torch.randn(5, 8, requires_grad=True))
+    return [(r.op, r.group_size, r.bytes_received) for r in log], _held(model, opt)
+
+
+def test_uneven_pieces_make_ranks_differ_and_each_simulated_rank_holds_its_own() -> None:
+    real = run_distributed(_real_mlp, 4)
+    mesh = sw.AbstractMesh((4,), ("tp",))
+    with torch.device("meta"):
+        model, opt = _mlp(mesh)
+    report = dry_run(_mlp_step, model, opt, torch.randn(5, 8, requires_grad=True), mesh=mesh, ranks=[3, 0, 1, 2])
+    assert [r.rank for r in report.ranks] == [3, 0, 1, 2]
+    for rank, (log, held) in enumerate(real):
+        mine = report.rank(rank)
+        assert [(c.kind, c.group_size, c.bytes) for c in mine.collectives] == log, rank
+        assert {k: mine.memory.peaks[k] for k in held} == held, rank
+        assert mine.uneven == ["tp"]
+    assert real[0][1]["parameters"] > real[3][1]["parameters"]  # 8 rows of 30 on rank 0, 6 on rank 3
+    assert not report.symmetric() and "uneven along tp" in str(report)
+    with pytest.raises(KeyError, match=r"rank 5 was not simulated"):
+        report.rank(5)
+
+
+def test_explicit_mode_finds_hidden_communication_in_a_dry_run() -> None:
+    mesh = sw.AbstractMesh((8, 8), ("dp", "tp"))
+    x = sw.distribute_tensor(torch.empty(64, 32, device="meta"), mesh, [sw.Shard(0), sw.Replicate()])
+    w1 = sw.distribute_tensor(torch.empty(32, 64, device="meta"), mesh, [sw.Replicate(), sw.Shard(1)])
+    w2 = sw.distribute_tensor(torch.empty(64, 32, device="meta"), mesh, [sw.Replicate(), sw.Shard(1)])
+
+    def step(x: Any, w1: Any, w2: Any) -> None:
+        with sw.explicit():
+            torch.relu(x @ w1) @ w2
+
+    with pytest.raises(sw.ImplicitRedistributionError, match=r"aten.mm.default would redistribute"):
+        dry_run(step, x, w1, w2, mesh=mesh)
+
+    def written(x: Any, w1: Any, w2: Any) -> None:
+        with sw.explicit():
+            torch.relu(x @ w1) @ w2.redistribute(w2.device_mesh, [sw.Replicate(), sw.Shard(0)])
+
+    report = dry_run(written, x, w1, w2, mesh=mesh)
+    # w2's local (64, 4) columns become (8, 32) rows: an all_to_all keeping 1/8 of the piece
+    assert report.totals() == {"all_to_all": (1, 7 * 64 * 4 * 4 // 8)}
+    assert [c.mesh_dims for c in report.collectives] == [("tp",)]
+
+
+def test_bad_calls_are_refused_with_the_fix() -> None:
+    mesh = sw.AbstractMesh((2, 2), ("dp", "tp"))
+    with pytest.raises(TypeError, match=r"dry_run\(mesh=...\) takes an AbstractMesh"):
+        dry_run(lambda: None, mesh=(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"give ranks of the mesh \(2, 2\), ints in \[0, 3\]"):
+        dry_run(lambda: None, mesh=mesh, ranks=[4])
+    other = sw.distribute_tensor(torch.empty(4, 4, device="meta"), sw.AbstractMesh((4,)), [sw.Shard(0)])
+    with pytest.raises(ValueError, match=r"not on DryMesh\(\(2, 2\)"):
+        dry_run(lambda t: None, other, mesh=mesh)
+    with pytest.raises(TypeError, match=r"dry_run runs a callable"):
+        dry_run(3, mesh=mesh)  # type: ignore[arg-type]

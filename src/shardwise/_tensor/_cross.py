@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .. import _comm as comm
 from .._groups import crossing_group
+from .._mesh_dry import PER_RANK_CACHES
 from .._mesh import DeviceMesh
 from .._ops._utils import order_like
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
@@ -149,7 +150,9 @@ def cross_move(src: DTensorSpec, dst: DTensorSpec) -> CrossMove:
 
 
 _MOVES: dict[tuple[DTensorSpec, DTensorSpec], CrossMove] = {}
+PER_RANK_CACHES.append(_MOVES.clear)
 _ROUTES: dict[tuple[DTensorSpec, DTensorSpec], Routes] = {}
+PER_RANK_CACHES.append(_ROUTES.clear)
 
 
 def _region(t: torch.Tensor, box: Box) -> torch.Tensor:

@@ -36,6 +36,7 @@ from torch._decomp import decomposition_table
 
 from .. import _comm as comm
 from .._explicit import check_explicit
+from .._mesh_dry import PER_RANK_CACHES
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh
 from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, ScalarTensor, propagate, rule_for
@@ -58,6 +59,7 @@ __all__ = ["dispatch", "implicit_replication", "torch_dispatch"]
 # dtypes; a list or tuple of scalars (a shape) gives (type, element types, values).
 # The cache holds each plan's bound `run` (made once), so a hit is a lookup and one call.
 _PLANS: dict[tuple[Any, ...], Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {}
+PER_RANK_CACHES.append(_PLANS.clear)
 _SCALARS = (int, float, bool, complex, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _SCALAR_TYPES = frozenset(_SCALARS)
 _LAZY_VIEWS = {torch.ops.aten._conj.default, torch.ops.aten._neg_view.default}

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .. import _comm as comm
+from .._mesh_dry import PER_RANK_CACHES
 from .._mesh import DeviceMesh
 from .._redistribute import LocalStep, Program, RedistributePlan, build_program, plan_between, run_program
 from .._redistribute._specs import StridedStep, plan_parts
@@ -40,6 +41,7 @@ class Move:
 
 
 _MOVES: dict[tuple[DTensorSpec, DTensorSpec], Move] = {}
+PER_RANK_CACHES.append(_MOVES.clear)
 
 
 def move_between(src: DTensorSpec, dst: DTensorSpec) -> Move:

@@ -127,18 +127,19 @@ def _rank_text(r: RankReport, report: DryRunReport) -> list[str]:
         who += f" (uneven along {', '.join(r.uneven)}: ranks differ along those mesh dims)"
     elif len(report.ranks) == 1:
         who += " (every split even: every rank holds and sends the same)"
-    lines = ["", who, f"  {'collective':<16}{'mesh dims':<14}{'count':>7}{'bytes':>14}   by op"]
+    lines = ["", who, f"  {'pass':<10}{'collective':<16}{'mesh dims':<12}{'count':>7}{'bytes':>12}   "
+                      f"by op ('-': a hook or an explicit redistribute)"]
     rows: dict[tuple[str, tuple[str, ...], str], list[Any]] = {}
     for c in r.collectives:
         row = rows.setdefault((c.pass_, c.mesh_dims, c.kind), [0, 0, set()])
         row[0] += 1
         row[1] += c.bytes
         row[2].add(c.op)
-    for (which, dims, kind), (n, b, ops) in sorted(rows.items()):
-        lines.append(f"  {kind + ' ' + which[:3]:<16}{','.join(dims) or '-':<14}{n:>7}{_size(b):>14}   "
+    for (which, dims, kind), (n, b, ops) in sorted(rows.items(), key=lambda kv: (kv[0][0] != "forward", kv[0])):
+        lines.append(f"  {which:<10}{kind:<16}{','.join(dims) or '-':<12}{n:>7}{_size(b):>12}   "
                      f"{', '.join(sorted(ops))}")
     total = sum(c.bytes for c in r.collectives)
-    lines.append(f"  {'total':<30}{len(r.collectives):>7}{_size(total):>14}")
+    lines.append(f"  {'total':<38}{len(r.collectives):>7}{_size(total):>12}")
     m = r.memory
     lines.append(f"  memory peak {_size(m.peak)} at op {m.peak_tick} of {m.ticks}: "
                  + ", ".join(f"{k} {_size(m.at_peak[k])}" for k in CATEGORIES))
