@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from .picture import ParamLayout, layout_png, layout_text
+from ..debug._picture import ParamLayout, layout_png, layout_text
 
 __all__ = ["report"]
 

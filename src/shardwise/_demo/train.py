@@ -126,7 +126,7 @@ def train_sharded(cfg: DemoConfig, progress: Callable[[int, float, float], None]
 def _layouts(model: nn.Module) -> list[object]:
     from shardwise import DTensor
 
-    from .picture import ParamLayout
+    from ..debug._picture import ParamLayout
 
     out: list[object] = []
     for name, p in model.named_parameters():

@@ -9,6 +9,9 @@
   abstract mesh, run with meta tensors as one rank of a mesh of any size: every collective
   (kind, mesh dims, bytes, op, module) and the memory per rank (parameters, gradients,
   optimizer state, activations), as a table or JSON.
+- `visualize_sharding(dtensor)` (or a shape with mesh= and placements=): which rank holds
+  which piece, for any mesh and tensor rank, as text (and a PNG with png=);
+  `layout_table(model)`: every parameter's layout and map.
 - `explain_redistribute(...)` / `plan_for(...)`: a redistribution's plan, purely.
 """
 
@@ -18,6 +21,7 @@ from .._explicit import ImplicitRedistributionError, explicit
 from ._counter import CommCounter
 from ._dry_run import dry_run
 from ._report import DryCollective, DryRunReport, MemoryReport, RankReport
+from ._visualize import layout_table, visualize_sharding
 
 __all__ = [
     "CommCounter",
@@ -31,5 +35,7 @@ __all__ = [
     "dry_run",
     "explain_redistribute",
     "explicit",
+    "layout_table",
     "plan_for",
+    "visualize_sharding",
 ]
