@@ -126,6 +126,14 @@ def test_uneven_pieces_make_ranks_differ_and_each_simulated_rank_holds_its_own()
         assert mine.uneven == ["tp"]
     assert real[0][1]["parameters"] > real[3][1]["parameters"]  # 8 rows of 30 on rank 0, 6 on rank 3
     assert not report.symmetric() and "uneven along tp" in str(report)
+    assert tuple(model[0].weight._local_tensor.shape) == (8, 8)  # back to rank 0's piece after the run
+
+    def broken(model: Any) -> None:
+        model(torch.randn(5, 7))  # 7 features for a layer of 8
+
+    with pytest.raises(RuntimeError) as caught:
+        dry_run(broken, model, mesh=mesh, ranks=[2])
+    assert any("on simulated rank 2 of a dry run" in n for n in getattr(caught.value, "__notes__", [])), caught.value
     with pytest.raises(KeyError, match=r"rank 5 was not simulated"):
         report.rank(5)
 

@@ -36,7 +36,7 @@ from torch._decomp import decomposition_table
 
 from .. import _comm as comm
 from .._explicit import check_explicit
-from .._mesh_dry import PER_RANK_CACHES
+from .._mesh_dry import PER_RANK_CACHES, DryMesh
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh
 from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, ScalarTensor, propagate, rule_for
@@ -168,14 +168,18 @@ def _add_context(exc: BaseException, func: Any, args: tuple[Any, ...], kwargs: d
         exc._shardwise_op = func  # type: ignore[attr-defined]
     except AttributeError:  # an exception type that takes no attributes: no note either
         return
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    mesh = next((a._spec.mesh for a in args if type(a) in _DTENSORS), None)
+    if isinstance(mesh, DryMesh):
+        where = f"simulated rank {mesh.get_rank()} of a dry run"
+    else:
+        where = f"rank {dist.get_rank() if dist.is_available() and dist.is_initialized() else 0}"
     inputs = [_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kwargs.items()]
     if isinstance(exc, comm.CollectiveError):  # the op leads the message: what the user called
         exc.add_operation(f"{func} on inputs {', '.join(inputs)}")
         return
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
-        add_note(f"shardwise: raised by {func} on rank {rank}, inputs {', '.join(inputs)}")
+        add_note(f"shardwise: raised by {func} on {where}, inputs {', '.join(inputs)}")
 
 
 def _key_part(a: Any, func: Any, modes: frozenset[str]) -> Any:

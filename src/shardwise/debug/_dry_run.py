@@ -71,6 +71,7 @@ def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optio
         if number:
             saved.restore()
         reports.append(_one_rank(fn, args, kwargs, found, dry, rank))
+    _relocalize(found)  # the pieces back to the sizes of the rank played outside the dry run
     return DryRunReport(dry.shape, dry.mesh_dim_names, reports, time.perf_counter() - start)
 
 
