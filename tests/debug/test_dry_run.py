@@ -172,3 +172,49 @@ def test_bad_calls_are_refused_with_the_fix() -> None:
         dry_run(lambda t: None, other, mesh=mesh)
     with pytest.raises(TypeError, match=r"dry_run runs a callable"):
         dry_run(3, mesh=mesh)  # type: ignore[arg-type]
+
+
+def _pipeline(mesh: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any]:
+    """The demo GPT as a 2-stage pipeline of 2-wide tensor-parallel stages (its head tied to
+    the token embedding across the stages), one 1F1B step of 2 micro-batches and AdamW."""
+    from shardwise._demo.model import CharGPT, CharGPTConfig, pipeline_layers
+    from shardwise._demo.pipelined import _loss, pipeline_plan
+    from shardwise.pipeline import DistributedPipe
+
+    torch.manual_seed(0)
+    layers = pipeline_layers(CharGPT(CharGPTConfig(vocab=VOCAB, d_model=WIDTH, seq=SEQ)))
+    half = len(layers) // 2
+    pipe = DistributedPipe(layers, [half, len(layers) - half], mesh, tp_plan=pipeline_plan(), schedule="1f1b",
+                           chunks=2, checkpoint="never", loss_fn=_loss)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    pipe.step(x, y)
+    opt.step()
+    return pipe, opt
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (4, SEQ), generator=g), torch.randint(0, VOCAB, (4, SEQ), generator=g)
+
+
+def _real_pipeline() -> tuple[list[tuple[str, int, int]], dict[str, int]]:
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    with sw.comm_log() as log:
+        pipe, opt = _pipeline(mesh, *_batch())
+    pipe.close()
+    return [(r.op, r.group_size, r.bytes_received) for r in log], _held(pipe, opt)
+
+
+def test_a_dry_run_of_a_pipeline_plays_every_stage_and_matches_the_real_ranks() -> None:
+    """Each simulated rank builds its own pipe (it keeps only its stages); the ranks take turns
+    where a stage waits for another's activations or gradients."""
+    real = run_distributed(_real_pipeline, 4)
+    mesh = sw.AbstractMesh((2, 2), ("pp", "tp"))
+    report = dry_run(lambda: _pipeline(mesh, *_batch()), mesh=mesh, ranks=range(4))
+    for rank, (log, held) in enumerate(real):
+        mine = report.rank(rank)
+        assert [(c.kind, c.group_size, c.bytes) for c in mine.collectives] == log, rank
+        assert {k: mine.memory.peaks[k] for k in held} == held, rank
+        assert sum(c.kind == "recv" for c in mine.collectives) == 3 * 2  # header, metadata, activation per micro-batch
+    with pytest.raises(RuntimeError, match=r"waits for a message from rank 2 .*rank 2 is not simulated"):
+        dry_run(lambda: _pipeline(mesh, *_batch()), mesh=mesh, ranks=[0])

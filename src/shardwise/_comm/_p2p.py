@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from .._mesh import collective_timeout
+from .._mesh_dry import DryGroup, simulated_rank
+from . import _dry
 from ._async import has_pending, wait_pending
 from ._door import CommRecord, notify
 from ._fault import CollectiveError, diagnose, group_ranks
@@ -68,16 +70,22 @@ class P2PWork:
         of the group died, stalled or failed alongside (see `_fault`)."""
         direction = "from" if self.op == "recv" else "to"
         what = f"{self.op} of {self.label} {direction} rank {self.peer} (tag {self.tag})"
+        if type(self.group) is DryGroup:  # a dry run's message that never came: no process to diagnose
+            return P2PError([what], _me(self.group), cause=str(exc), reason=str(exc))
         ranks = group_ranks(self.group) if self.group is not None else ()
         if not ranks:
-            ranks = tuple(sorted({dist.get_rank(), self.peer}))
+            ranks = tuple(sorted({_me(self.group), self.peer}))
         found = diagnose([what], ranks, None, exc, kind=P2PError)
         assert isinstance(found, P2PError)
         return found
 
 
-def _check_peer(op: str, peer: int, tensor: torch.Tensor) -> None:
-    me = dist.get_rank()
+def _me(group: Any) -> int:
+    return simulated_rank() if type(group) is DryGroup else dist.get_rank()
+
+
+def _check_peer(op: str, peer: int, tensor: torch.Tensor, group: Any = None) -> None:
+    me = _me(group)
     if peer == me:
         raise ValueError(f"{op} to or from rank {peer}, which is this rank: keep the tensor locally instead")
     if op == "irecv" and not tensor.is_contiguous():
@@ -89,10 +97,11 @@ def isend(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0, label: st
     """Post a send of `tensor` to global rank `dst` of `group`; the buffer must not change until `wait()`."""
     if has_pending():
         wait_pending()
-    _check_peer("isend", dst, tensor)
+    _check_peer("isend", dst, tensor, group)
     buf = tensor.contiguous()
     try:
-        work = dist.isend(buf, dst, group=group, tag=tag)
+        work = (_dry.post_send(buf, _me(group), dst, tag, group) if type(group) is DryGroup else
+                dist.isend(buf, dst, group=group, tag=tag))
     except RuntimeError as exc:
         raise P2PWork(None, "send", dst, tag, label, buf, group).error(exc) from exc
     nbytes = buf.numel() * buf.element_size()
@@ -104,9 +113,10 @@ def irecv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0, label: st
     """Post a receive into `tensor` (contiguous) from global rank `src` of `group`."""
     if has_pending():
         wait_pending()
-    _check_peer("irecv", src, tensor)
+    _check_peer("irecv", src, tensor, group)
     try:
-        work = dist.irecv(tensor, src, group=group, tag=tag)
+        work = (_dry.post_recv(tensor, src, _me(group), tag, group) if type(group) is DryGroup else
+                dist.irecv(tensor, src, group=group, tag=tag))
     except RuntimeError as exc:
         raise P2PWork(None, "recv", src, tag, label, tensor, group).error(exc) from exc
     notify(P2PRecord("recv", 2, tensor.numel() * tensor.element_size(), src, tag, label, 0))

@@ -26,6 +26,7 @@ import torch
 
 from .. import _comm as comm
 from .._mesh import DeviceMesh
+from .._mesh_dry import DryMesh
 from ._wrap import DTensorBase
 
 __all__ = ["check_plain"]
@@ -83,9 +84,11 @@ def check_plain(func: Any, modes: Any, args: tuple[Any, ...], kwargs: dict[str, 
     mesh: Optional[Any] = next((t._spec.mesh for _, t in found if isinstance(t, DTensorBase)), None)
     if not isinstance(mesh, DeviceMesh) or mesh.size() == 1 or mesh.get_coordinate() is None:
         return
-    if any(isinstance(t, torch._subclasses.FakeTensor) or t.is_meta for _, t in plain):
+    dry = isinstance(mesh, DryMesh)  # a dry run checks as a real run would (its ranks agree by construction)
+    if not dry and any(isinstance(t, torch._subclasses.FakeTensor) or t.is_meta for _, t in plain):
         return
-    site = (func, modes, tuple(t._spec if isinstance(t, DTensorBase) else where for where, t in found))
+    site = (func, modes, tuple(t._spec if isinstance(t, DTensorBase) else where for where, t in found),
+            mesh.get_rank() if dry else None)
     if site in _CHECKED:
         return
     mine = [v for _, t in plain for v in _fingerprint(t)]

@@ -22,6 +22,8 @@ dicts); tensors among them that are not DTensors are moved to the meta device fi
 
 from __future__ import annotations
 
+import contextvars
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
@@ -34,7 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._comm import CommRecord
 from .._mesh import AbstractMesh
-from .._mesh_dry import DryMesh, as_device_mesh, simulating
+from .._comm._dry import SIMULATION, Simulation
+from .._mesh_dry import DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
 from .._tensor._wrap import DTENSOR_CLASSES
 from ._counter import CommCounter
 from ._report import CATEGORIES, DryCollective, DryRunReport, MemoryReport, RankReport
@@ -52,6 +55,12 @@ def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optio
     meta device (`with torch.device("meta"): model = Model(config)`). With several `ranks`,
     each starts from the state the first found (the parameters' `.grad` and the optimizers'
     state are put back between ranks), so every rank runs the same step.
+
+    Each simulated rank runs in a thread of its own, one at a time; they take turns where one
+    waits for a point-to-point message from another (pipeline stages), so `fn` may build and
+    step a `DistributedPipe` on the abstract mesh: then give the ranks of every stage, and
+    let `fn` build the model (each rank keeps only its stages) and return the pipe and its
+    optimizer, for the memory split.
     """
     if not callable(fn):
         raise TypeError(f"dry_run runs a callable (one training step), got {type(fn).__name__}")
@@ -66,13 +75,42 @@ def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optio
     start = time.perf_counter()
     found = list(_walk((args, kwargs)))
     saved = _State(found)
-    reports = []
-    for number, rank in enumerate(ranks):
-        if number:
-            saved.restore()
-        reports.append(_one_rank(fn, args, kwargs, found, dry, rank))
+    reports: dict[int, RankReport] = {}
+    errors: dict[int, BaseException] = {}
+    sim = Simulation(ranks, _caches_for)
+    parent = contextvars.copy_context()  # the caller's door hooks (a comm_log around the dry run) hold inside
+
+    def play(number: int, rank: int) -> None:
+        sim.wait_turn(rank)
+        try:
+            if number:
+                saved.restore()
+            reports[rank] = _one_rank(fn, args, kwargs, found, dry, rank)
+        except BaseException as exc:
+            errors[rank] = exc
+        finally:
+            sim.end(rank)
+
+    threads = [threading.Thread(target=parent.copy().run, args=(play, n, r), name=f"dry rank {r}", daemon=True)
+               for n, r in enumerate(ranks)]
+    SIMULATION[0] = sim
+    try:
+        for t in threads:
+            t.start()
+        sim.begin()
+        for t in threads:
+            t.join()
+    finally:
+        SIMULATION[0] = None
+        _caches_for(simulated_rank())
     _relocalize(found)  # the pieces back to the sizes of the rank played outside the dry run
-    return DryRunReport(dry.shape, dry.mesh_dim_names, reports, time.perf_counter() - start)
+    if errors:
+        rank = next(r for r in ranks if r in errors)
+        exc = errors[rank]
+        if hasattr(exc, "add_note") and len(ranks) > 1:
+            exc.add_note(f"(dry run: simulated rank {rank} raised it first of ranks {sorted(errors)})")
+        raise exc
+    return DryRunReport(dry.shape, dry.mesh_dim_names, [reports[r] for r in ranks], time.perf_counter() - start)
 
 
 def _dry_mesh(mesh: Any) -> DryMesh:
@@ -188,8 +226,12 @@ def _one_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         for t in _dtensors(found):
             memory.track(t, pinned=id(t) in params)
         with counter, memory, _AsOnCpu():
-            fn(*args, **kwargs)
+            returned = fn(*args, **kwargs)
         memory.close()
+        more = [x for x in _walk(returned) if isinstance(x, (nn.Module, torch.optim.Optimizer)) and
+                all(x is not y for y in found)]  # what fn built and returned (a pipe, its optimizer)
+        modules += [m for m in more if isinstance(m, nn.Module)]
+        optimizers += [o for o in more if isinstance(o, torch.optim.Optimizer)]
         return RankReport(rank, tuple(dry.get_coordinate() or ()), counter.collectives(dry),
                           memory.report(modules, optimizers), sorted(memory.uneven, key=str))
 

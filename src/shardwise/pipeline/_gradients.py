@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .. import _comm as comm
 from .._mesh import collective_timeout
+from .._mesh_dry import DryGroup, simulated_rank
 from .._placement import Replicate
 from .._tensor import DTensor, from_local
 from ._topology import Topology
@@ -205,6 +206,10 @@ def shared_groups(topology: Topology, shared: list[tuple[tuple[int, ...], str, d
         rows = [[grid[d][t] for grid in (topology.grids[h] for h in holders)]
                 for d in range(len(topology.grids[0])) for t in range(widths[0])]
         for ranks in rows:
+            if device_type == "meta":  # a dry run's pipe: the holders' label, no process group
+                if simulated_rank() in ranks:
+                    group = DryGroup(((len(ranks),), ("pp",)), (0,), len(ranks))
+                continue
             made = dist.new_group(ranks, timeout=collective_timeout(), backend=backend)
             if dist.get_rank() in ranks:
                 group = made

@@ -65,6 +65,7 @@ from .. import _comm as comm
 from .._describe import describe
 from .._groups import POINT_TO_POINT
 from .._mesh import DeviceMesh, collective_timeout
+from .._mesh_dry import DryGroup, DryMesh, as_device_mesh
 from .._tensor import DTensor
 from ..parallel._data_parallel import data_parallel
 from ._gradients import check_shared, reduce_gradients, shared_across_ranks, shared_groups, sum_shared_gradients
@@ -135,6 +136,7 @@ class DistributedPipe(nn.Module):
                  device: Optional[torch.device | str] = None, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
         staged = isinstance(mesh, (list, tuple))
+        mesh = mesh if staged else as_device_mesh(mesh)  # an AbstractMesh: a dry run's pipe
         if not isinstance(mesh, DeviceMesh) and not staged:
             raise TypeError(f"DistributedPipe runs over a DeviceMesh with a pp dim, or a list of one DeviceMesh per "
                             f"stage, got {describe(mesh)}: build one with shardwise.init_device_mesh(..., "
@@ -167,7 +169,7 @@ class DistributedPipe(nn.Module):
                                    Schedule1F1B(len(balance), chunks) if schedule == "1f1b" else
                                    ScheduleInterleaved1F1B(pp, len(balance) // pp, chunks))
         self.device = torch.device(device) if device is not None else _default_device(stage_mesh)
-        self.rank = dist.get_rank()
+        self.rank = stage_mesh.get_rank()
         self.pp_rank = topology.pp_rank
         self.skip_routes = inspect_skip_layout(partitions)  # every partition's declarations, once
         local = self.schedule.rank_stages(self.pp_rank)
@@ -231,10 +233,11 @@ class DistributedPipe(nn.Module):
     def close(self) -> None:
         """Release the point-to-point process group (collective: every process calls it)."""
         if self._group is not None:
-            dist.destroy_process_group(self._group)
+            if type(self._group) is not DryGroup:
+                dist.destroy_process_group(self._group)
             self._group = None
         for shared in self._shared:
-            if shared.group is not None:
+            if shared.group is not None and type(shared.group) is not DryGroup:
                 dist.destroy_process_group(shared.group)
         self._shared = []
 
@@ -425,6 +428,10 @@ def _p2p_group(mesh: DeviceMesh, pp_index: int) -> Any:
     pp = mesh.shape[pp_index]
     if pp == 1:
         return None
+    if isinstance(mesh, DryMesh):  # a dry run: the slice's label, no process group
+        dry = mesh.get_group(pp_index)
+        comm.all_gather_ints([0], dry, pp)
+        return dry
     rows = mesh.mesh.movedim(pp_index, -1).reshape(-1, pp).tolist()
     mine = None
     backend = "nccl" if mesh.device_type == "cuda" else None

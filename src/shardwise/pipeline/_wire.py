@@ -189,6 +189,8 @@ class Wire:
     def __init__(self, group: Any, device: torch.device, num_channels: int, tp_mesh: Any = None) -> None:
         self.group = group
         self.device = device
+        # headers and metadata are bytes to read: on the CPU when tensors are meta (a dry run's pipe)
+        self.small_device = torch.device("cpu") if device.type == "meta" else device
         self.tp_mesh = tp_mesh  # where DTensors that arrive live (the stage's tensor-parallel sub-mesh)
         self.num_channels = num_channels
         self.pending: list[comm.P2PWork] = []  # sends of this step, waited at its end
@@ -252,9 +254,9 @@ class Wire:
               tensors: list[Tensor], dst: Optional[int] = None) -> None:
         tag, label = self.tag(channel, microbatch), channel.label(microbatch)
         dst = channel.dst_rank if dst is None else dst
-        parts = [] if header is None else [torch.tensor(header, dtype=torch.int64, device=self.device)]
+        parts = [] if header is None else [torch.tensor(header, dtype=torch.int64, device=self.small_device)]
         if meta:
-            parts.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device))
+            parts.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.small_device))
         try:
             for t in parts + tensors:
                 self.pending.append(comm.isend(t, dst, self.group, tag=tag, label=label))
@@ -294,12 +296,12 @@ class Wire:
         """The header and metadata from `src`: the value's skeleton, its tensors' (shape, dtype)
         and the raw metadata; RemoteFailure when the sender reports a failure."""
         tag, label = self.tag(channel, microbatch), channel.label(microbatch)
-        header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+        header = torch.empty(HEADER, dtype=torch.int64, device=self.small_device)
         status, meta_size, count, origin_stage, origin_rank = \
             comm.irecv(header, src, self.group, tag=tag, label=label).wait().tolist()
         meta = b""
         if meta_size:
-            buf = torch.empty(meta_size, dtype=torch.uint8, device=self.device)
+            buf = torch.empty(meta_size, dtype=torch.uint8, device=self.small_device)
             meta = bytes(comm.irecv(buf, src, self.group, tag=tag, label=label).wait().cpu().numpy().tobytes())
         if status != OK:
             raise RemoteFailure(meta.decode(errors="replace"), status == DIED, origin_stage, origin_rank,
