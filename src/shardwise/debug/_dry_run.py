@@ -9,12 +9,12 @@ each collective with an empty result of the right shape. What the run sees:
 - every collective the rank issues: kind, mesh dims, group size, bytes received, the op
   that caused it (the aten op being dispatched; "-" outside one: an explicit redistribute,
   a gradient hook) and the module path and pass (forward / backward) it fell in;
-- the memory the rank holds op by op: every tensor storage made is followed from the op
-  that made it to the moment it dies (a weak reference per storage, looked at after every
-  op), so the peak is that of the program as PyTorch would run it, saved activations
-  included; each storage is counted once, in the category it ends in: parameters (the
-  pieces of the modules' parameters), gradients (their `.grad`), optimizer state (every
-  tensor in the optimizers' `state`), activations (everything else).
+- the memory the rank holds op by op (`_memory`): every tensor storage made is followed
+  from the op that made it to the moment it dies, so the peak is that of the program as
+  PyTorch would run it, saved activations included; each storage is counted once, in the
+  category it ends in: parameters (the pieces of the modules' parameters), gradients
+  (their `.grad`), optimizer state (every tensor in the optimizers' `state`), activations
+  (everything else).
 
 Modules and optimizers are found among `fn`'s arguments (also inside lists, tuples and
 dicts); tensors among them that are not DTensors are moved to the meta device first.
@@ -30,9 +30,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._comm import CommRecord
 from .._mesh import AbstractMesh
@@ -40,7 +38,8 @@ from .._comm._dry import SIMULATION, Simulation
 from .._mesh_dry import DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
 from .._tensor._wrap import DTENSOR_CLASSES
 from ._counter import CommCounter
-from ._report import CATEGORIES, DryCollective, DryRunReport, MemoryReport, RankReport
+from ._memory import MemoryTracker
+from ._report import DryCollective, DryRunReport, RankReport
 
 __all__ = ["dry_run"]
 
@@ -220,7 +219,7 @@ def _one_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     with simulating(rank):
         _relocalize(found)
         counter = _Recorder(modules[0] if len(modules) == 1 else None)
-        memory = _Memory(counter)
+        memory = MemoryTracker(counter)
         counter.memory = memory
         params = {id(p) for m in modules for p in m.parameters()}
         for t in _dtensors(found):
@@ -242,7 +241,7 @@ class _Recorder(CommCounter):
     def __init__(self, model: Optional[nn.Module]) -> None:
         super().__init__(model)
         self.records: list[tuple[CommRecord, str, str, str]] = []
-        self.memory: Optional[_Memory] = None
+        self.memory: Optional[MemoryTracker] = None
 
     def _file(self, record: CommRecord) -> None:
         super()._file(record)
@@ -263,164 +262,6 @@ class _Recorder(CommCounter):
             dims = tuple(names[d] if names else str(d) for d in record.mesh_dims)
             out.append(DryCollective(record.op, dims, record.group_size, record.bytes_received, op, path, which))
         return out
-
-
-def _weak(storage: Any) -> Any:
-    return StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-
-
-_expired = torch.UntypedStorage._expired  # whether a storage's weak reference outlived it
-
-
-def _storage(t: Any) -> Any:
-    if type(t) in DTENSOR_CLASSES:
-        t = t._local_tensor
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-class _Memory(TorchDispatchMode):
-    """Follows every storage the ops make, from the op that makes it to its death."""
-
-    def __init__(self, counter: _Recorder) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.counter = counter
-        self.clock = 0
-        self.op: Optional[str] = None
-        # storage key -> [weak ref, bytes, made at, module path]; closed: (key, bytes, made, died, path)
-        self.live: dict[int, list[Any]] = {}
-        self.watched: dict[int, int] = {}  # the live storages that may die: key -> weak reference
-        self.closed: list[tuple[int, int, int, Optional[int], str]] = []
-        self.uneven: set[str] = set()
-        self._specs: set[Any] = set()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        outer, self.op = self.op, str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
-        try:
-            out = func(*args, **(kwargs or {}))
-        finally:
-            self.op = outer
-        self.clock += 1
-        made = [s for s in map(self._new, _outputs(out)) if s is not None]
-        if made:  # the peak can only rise here: look for deaths first, then count the births
-            self._sweep()
-            for storage in made:
-                self._add(storage, self.clock, pinned=False)
-        return out
-
-    def _new(self, t: Any) -> Any:
-        """`t`'s storage if it is one not seen alive yet, else None."""
-        if type(t) in DTENSOR_CLASSES:
-            self._note_spec(t._spec)
-        storage = _storage(t)
-        if storage is None:
-            return None
-        entry = self.live.get(storage._cdata)
-        return storage if entry is None or _expired(entry[0].cdata) else None
-
-    def track(self, t: Any, pinned: bool = False) -> None:
-        """Count `t`'s storage as alive from the start (`pinned`: it cannot die in the step, a
-        parameter's piece, so it is not looked at after every op)."""
-        storage = self._new(t)
-        if storage is not None:
-            self._add(storage, 0, pinned)
-
-    def _add(self, storage: Any, made: int, pinned: bool) -> None:
-        key = storage._cdata
-        entry = self.live.get(key)
-        if entry is not None:
-            if not _expired(entry[0].cdata):
-                return
-            self._end(key, entry)
-        weak = _weak(storage)
-        self.live[key] = [weak, storage.nbytes(), made, self.counter.module_path()]
-        if not pinned:
-            self.watched[key] = weak.cdata
-
-    def _end(self, key: int, entry: list[Any], died: Optional[int] = None) -> None:
-        del self.live[key]
-        self.watched.pop(key, None)
-        self.closed.append((key, entry[1], entry[2], self.clock if died is None else died, entry[3]))
-
-    def _sweep(self) -> None:
-        expired = _expired
-        dead = [k for k, c in self.watched.items() if expired(c)]
-        for k in dead:
-            self._end(k, self.live[k])
-
-    def _note_spec(self, spec: Any) -> None:
-        if spec in self._specs:
-            return
-        self._specs.add(spec)
-        names = spec.mesh.mesh_dim_names
-        for d, mesh_dims in spec.split_orders().items():
-            size = spec.shape[d]
-            for m in mesh_dims:
-                n = spec.mesh.shape[m]
-                if size % n:
-                    self.uneven.add(names[m] if names else str(m))
-                size = -(-size // n)
-
-    def close(self) -> None:
-        self.clock += 1
-        self._sweep()
-
-    def report(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> MemoryReport:
-        """Peaks per category and of the total, with the split at the total's peak and per module."""
-        category: dict[int, str] = {}
-        owner: dict[int, str] = {}
-        for module in modules:
-            for name, p in module.named_parameters(remove_duplicate=True):
-                path = name.rpartition(".")[0]
-                for which, t in (("parameters", p), ("gradients", p.grad)):
-                    s = _storage(t) if t is not None else None
-                    if s is not None:
-                        category.setdefault(s._cdata, which)
-                        owner.setdefault(s._cdata, path)
-        paths = {id(p): name.rpartition(".")[0] for module in modules for name, p in module.named_parameters()}
-        for opt in optimizers:
-            for param, state in opt.state.items():
-                for v in state.values():
-                    s = _storage(v) if isinstance(v, torch.Tensor) else None
-                    if s is not None:
-                        category.setdefault(s._cdata, "optimizer")
-                        owner.setdefault(s._cdata, paths.get(id(param), ""))
-        spans = list(self.closed) + [(k, e[1], e[2], None, e[3]) for k, e in self.live.items()]
-        events: list[tuple[int, int, int]] = []  # (time, +1 made / -1 died, span index)
-        for i, (key, nbytes, made, died, path) in enumerate(spans):
-            events.append((made, 1, i))
-            if died is not None:
-                events.append((died, -1, i))
-        events.sort(key=lambda e: (e[0], e[1]))  # at one tick, deaths before births
-        now = dict.fromkeys(CATEGORIES, 0)
-        peaks = dict(now)
-        total, best, at_best, best_time = 0, -1, dict(now), 0
-        live_at: set[int] = set()
-        best_live: set[int] = set()
-        for k, (time_, sign, i) in enumerate(events):
-            key, nbytes = spans[i][0], spans[i][1]
-            which = _category(category, spans[i])
-            now[which] += sign * nbytes
-            total += sign * nbytes
-            if sign > 0:
-                live_at.add(i)
-            else:
-                live_at.discard(i)
-            peaks[which] = max(peaks[which], now[which])
-            last_of_tick = k + 1 == len(events) or events[k + 1][0] != time_
-            if last_of_tick and total > best:
-                best, at_best, best_time, best_live = total, dict(now), time_, set(live_at)
-        per_module: dict[str, dict[str, int]] = {}
-        for i in best_live:
-            key, nbytes, _, _, path = spans[i]
-            which = _category(category, spans[i])
-            where = owner.get(key, path) if which != "activations" else path
-            row = per_module.setdefault(where, dict.fromkeys(CATEGORIES, 0))
-            row[which] += nbytes
-        return MemoryReport(peaks, max(best, 0), at_best, best_time, self.clock, per_module)
-
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -452,17 +293,3 @@ def _stand_in(t: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
     return torch.empty((1,) * (t.ndim - 1) + (t.shape[-1],), dtype=t.dtype, device="cpu")
-
-
-def _category(category: dict[int, str], span: tuple[int, int, int, Optional[int], str]) -> str:
-    """A storage alive at the end is what it is then (a parameter, a gradient, optimizer
-    state); one that died was an activation (a key is an address, reused once freed)."""
-    return category.get(span[0], "activations") if span[3] is None else "activations"
-
-
-def _outputs(out: Any) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (list, tuple)):
-        for o in out:
-            yield from _outputs(o)
