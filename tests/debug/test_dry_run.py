@@ -165,8 +165,10 @@ def test_bad_calls_are_refused_with_the_fix() -> None:
     mesh = sw.AbstractMesh((2, 2), ("dp", "tp"))
     with pytest.raises(TypeError, match=r"dry_run\(mesh=...\) takes an AbstractMesh"):
         dry_run(lambda: None, mesh=(2, 2))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"give ranks of the mesh \(2, 2\), ints in \[0, 3\]"):
+    with pytest.raises(ValueError, match=r"give ranks of the mesh \(2, 2\), ints in \[0, 3\], each once"):
         dry_run(lambda: None, mesh=mesh, ranks=[4])
+    with pytest.raises(ValueError, match=r"each once"):
+        dry_run(lambda: None, mesh=mesh, ranks=[1, 1])
     other = sw.distribute_tensor(torch.empty(4, 4, device="meta"), sw.AbstractMesh((4,)), [sw.Shard(0)])
     with pytest.raises(ValueError, match=r"not on DryMesh\(\(2, 2\)"):
         dry_run(lambda t: None, other, mesh=mesh)

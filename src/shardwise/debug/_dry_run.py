@@ -37,6 +37,7 @@ from .._mesh import AbstractMesh
 from .._comm._dry import SIMULATION, Simulation
 from .._mesh_dry import DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
 from .._tensor._wrap import DTENSOR_CLASSES
+from ..pipeline import PipelineError
 from ._counter import CommCounter
 from ._memory import MemoryTracker
 from ._report import DryCollective, DryRunReport, RankReport
@@ -68,8 +69,8 @@ def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optio
         ranks = [0]
     ranks = list(ranks)
     bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < dry.size()]
-    if bad or not ranks:
-        raise ValueError(f"dry_run(ranks={ranks!r}): give ranks of the mesh {dry.shape}, ints in [0, {dry.size() - 1}]")
+    if bad or not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"dry_run(ranks={ranks!r}): give ranks of the mesh {dry.shape}, ints in [0, {dry.size() - 1}], each once")
     _check_meshes(args, kwargs, dry)
     start = time.perf_counter()
     found = list(_walk((args, kwargs)))
@@ -103,11 +104,12 @@ def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optio
         SIMULATION[0] = None
         _caches_for(simulated_rank())
     _relocalize(found)  # the pieces back to the sizes of the rank played outside the dry run
-    if errors:
-        rank = next(r for r in ranks if r in errors)
+    if errors:  # the rank where it began (others stop with PipelineError when a stage fails)
+        failed = [r for r in ranks if r in errors]
+        rank = next((r for r in failed if not isinstance(errors[r], PipelineError)), failed[0])
         exc = errors[rank]
         if hasattr(exc, "add_note") and len(ranks) > 1:
-            exc.add_note(f"(dry run: simulated rank {rank} raised it first of ranks {sorted(errors)})")
+            exc.add_note(f"(dry run: raised on simulated rank {rank}; simulated ranks {failed} failed)")
         raise exc
     return DryRunReport(dry.shape, dry.mesh_dim_names, [reports[r] for r in ranks], time.perf_counter() - start)
 
