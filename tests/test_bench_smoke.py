@@ -45,7 +45,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "checkpoint",
-                                         "collective_bookkeeping", "cross_mesh", "dry_run"}
+                                         "collective_bookkeeping", "cross_mesh", "dry_run", "planner"}
 
 
 def test_every_overhead_row_is_there_for_both_libraries(quick_run: Any) -> None:
@@ -138,3 +138,5 @@ def test_the_dry_run_row_reports_both_sides(quick_run: Any) -> None:
     for r in rows.values():
         assert isinstance(r["seconds"], float) and r["seconds"] > 0 and r["rss"] > 0, r
     assert "collectives" in rows["shardwise dry_run"]["reports"] and "dry run of a 2-layer" in proc.stdout
+    planned = record["benchmarks"]["planner"]["rows"][0]
+    assert planned["who"] == "shardwise AutoPlanner" and planned["seconds"] > 0 and "of 4 candidates" in planned["chosen"]

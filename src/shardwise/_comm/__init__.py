@@ -33,6 +33,7 @@ from ._door import (
     start,
     suspended,
 )
+from ._dry import dry_run_number
 from ._fault import CollectiveError, checking
 from ._metadata import all_gather_ints, broadcast, gather_over_mesh
 from ._p2p import P2PError, P2PRecord, P2PWork, irecv, isend, recv, send
@@ -59,6 +60,7 @@ __all__ = [
     "all_reduce_coalesced",
     "broadcast",
     "checking",
+    "dry_run_number",
     "comm_log",
     "gather_over_mesh",
     "has_pending",

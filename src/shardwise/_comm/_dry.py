@@ -20,7 +20,7 @@ import torch
 
 from ._collectives import AllGather, AllReduce, AllToAll, AllToAllBoxes, Broadcast, Collective, ReduceScatter
 
-__all__ = ["SIMULATION", "DryWork", "Simulation", "answer", "post_recv", "post_send", "result_shape"]
+__all__ = ["SIMULATION", "DryWork", "Simulation", "answer", "dry_run_number", "post_recv", "post_send", "result_shape"]
 
 
 def _with(shape: tuple[int, ...], tensor_dim: int, size: int) -> tuple[int, ...]:
@@ -77,7 +77,11 @@ class Simulation:
     message has not been sent yet hands the turn to the next rank that can run, in rank order.
     When no rank can run while some wait, those never get their message: each is told so."""
 
+    made = 0  # dry runs so far; each has its own number (what is checked once per run is keyed by it)
+
     def __init__(self, ranks: Sequence[int], on_turn: Callable[[int], None]) -> None:
+        Simulation.made += 1
+        self.number = Simulation.made
         self.ranks = list(ranks)
         self.on_turn = on_turn
         self.cond = threading.Condition()
@@ -142,6 +146,12 @@ class Simulation:
 
 
 SIMULATION: list[Optional[Simulation]] = [None]  # the dry run's, while one runs
+
+
+def dry_run_number() -> int:
+    """The number of the dry run under way (0 outside one)."""
+    sim = SIMULATION[0]
+    return 0 if sim is None else sim.number
 
 
 def _simulation() -> Simulation:

@@ -88,7 +88,7 @@ def check_plain(func: Any, modes: Any, args: tuple[Any, ...], kwargs: dict[str, 
     if not dry and any(isinstance(t, torch._subclasses.FakeTensor) or t.is_meta for _, t in plain):
         return
     site = (func, modes, tuple(t._spec if isinstance(t, DTensorBase) else where for where, t in found),
-            mesh.get_rank() if dry else None)
+            (mesh.get_rank(), comm.dry_run_number()) if dry else None)  # once per simulated rank and dry run
     if site in _CHECKED:
         return
     mine = [v for _, t in plain for v in _fingerprint(t)]

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from .._comm import CommRecord
 from .._mesh import AbstractMesh
 from .._comm._dry import SIMULATION, Simulation
-from .._mesh_dry import DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
+from .._mesh_dry import PER_RANK_CACHES, DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
 from .._tensor._wrap import DTENSOR_CLASSES
 from ..pipeline import PipelineError
 from ._counter import CommCounter
@@ -78,6 +78,8 @@ def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optio
     reports: dict[int, RankReport] = {}
     errors: dict[int, BaseException] = {}
     sim = Simulation(ranks, _caches_for)
+    for clear in PER_RANK_CACHES:  # every dry run starts as a process's first step: ops plan (and check) afresh
+        clear()
     parent = contextvars.copy_context()  # the caller's door hooks (a comm_log around the dry run) hold inside
 
     def play(number: int, rank: int) -> None:
@@ -234,7 +236,7 @@ def _one_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         modules += [m for m in more if isinstance(m, nn.Module)]
         optimizers += [o for o in more if isinstance(o, torch.optim.Optimizer)]
         return RankReport(rank, tuple(dry.get_coordinate() or ()), counter.collectives(dry),
-                          memory.report(modules, optimizers), sorted(memory.uneven, key=str))
+                          memory.report(modules, optimizers), sorted(memory.uneven, key=str), dict(memory.flops))
 
 
 class _Recorder(CommCounter):

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._tensor._wrap import DTENSOR_CLASSES
@@ -53,6 +54,7 @@ class MemoryTracker(TorchDispatchMode):
         self.closed: list[tuple[int, int, int, Optional[int], str]] = []
         self.uneven: set[str] = set()
         self._specs: set[Any] = set()
+        self.flops = {"forward": 0, "backward": 0}  # of the matmuls, convolutions and attentions this rank runs
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         outer, self.op = self.op, str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
@@ -61,6 +63,10 @@ class MemoryTracker(TorchDispatchMode):
         finally:
             self.op = outer
         self.clock += 1
+        count = _FLOPS.get(getattr(func, "overloadpacket", None))
+        if count is not None:
+            self.flops["backward" if torch._C._current_graph_task_id() != -1 else "forward"] += _flops_of(
+                count, args, kwargs or {}, out)
         made = [s for s in map(self._new, _outputs(out)) if s is not None]
         if made:  # the peak can only rise here: look for deaths first, then count the births
             self._sweep()
@@ -184,6 +190,40 @@ def _category(category: dict[int, str], span: tuple[int, int, int, Optional[int]
     """A storage alive at the end is what it is then (a parameter, a gradient, optimizer
     state); one that died was an activation (a key is an address, reused once freed)."""
     return category.get(span[0], "activations") if span[3] is None else "activations"
+
+
+def _cpu_attention(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return int(sdpa_flop_count(query, key, value))  # type: ignore[no-untyped-call]
+
+
+def _cpu_attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None,
+                            **kwargs: Any) -> int:
+    return int(sdpa_backward_flop_count(grad_out, query, key, value))  # type: ignore[no-untyped-call]
+
+
+_FLOPS: dict[Any, Any] = {**flop_registry,
+                          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+                          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward}
+
+
+def _local_shape(x: Any) -> Any:
+    if type(x) in DTENSOR_CLASSES:
+        return tuple(x._local_tensor.shape)
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_local_shape(v) for v in x)
+    return x
+
+
+def _flops_of(count: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """FLOPs of one op on this rank's pieces (torch's formulas, on the local shapes of the
+    inputs as given: an input the op moves first is counted as it came)."""
+    try:
+        return int(count(*_local_shape(args), **{k: _local_shape(v) for k, v in kwargs.items()},
+                         out_val=_local_shape(out)))
+    except Exception:  # a formula that does not take this overload's arguments: not counted
+        return 0
 
 
 def _outputs(out: Any) -> Iterator[torch.Tensor]:

@@ -4,7 +4,7 @@ memory held, with totals, per-module rows, a printed table and JSON."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 __all__ = ["CATEGORIES", "DryCollective", "DryRunReport", "MemoryReport", "RankReport"]
@@ -52,6 +52,7 @@ class RankReport:
     collectives: list[DryCollective]
     memory: MemoryReport
     uneven: list[str]
+    flops: dict[str, int] = field(default_factory=dict)  # per pass, of the ops torch counts FLOPs of
 
     def totals(self, which: Optional[str] = None) -> dict[str, tuple[int, int]]:
         """(count, bytes received) per collective kind, of one pass or both."""
@@ -100,7 +101,7 @@ class DryRunReport:
             "mesh": {"shape": list(self.mesh_shape), "mesh_dim_names": list(self.mesh_dim_names or ())},
             "seconds": round(self.seconds, 3),
             "ranks": [{
-                "rank": r.rank, "coordinate": list(r.coordinate), "uneven_mesh_dims": r.uneven,
+                "rank": r.rank, "coordinate": list(r.coordinate), "uneven_mesh_dims": r.uneven, "flops": r.flops,
                 "totals": {k: {"count": n, "bytes": b} for k, (n, b) in r.totals().items()},
                 "memory": asdict(r.memory),
                 "collectives": [{**asdict(c), "pass": c.pass_} for c in r.collectives],
@@ -144,6 +145,8 @@ def _rank_text(r: RankReport, report: DryRunReport) -> list[str]:
     lines.append(f"  memory peak {_size(m.peak)} at op {m.peak_tick} of {m.ticks}: "
                  + ", ".join(f"{k} {_size(m.at_peak[k])}" for k in CATEGORIES))
     lines.append("  peak of each: " + ", ".join(f"{k} {_size(m.peaks[k])}" for k in CATEGORIES))
+    if r.flops:
+        lines.append("  FLOPs: " + ", ".join(f"{k} {v / 1e9:.3g} G" for k, v in r.flops.items()))
     comm: dict[str, list[int]] = {}
     for c in r.collectives:
         row = comm.setdefault(c.module, [0, 0, 0, 0])

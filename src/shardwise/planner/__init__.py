@@ -1,0 +1,13 @@
+"""The automatic planner: `AutoPlanner` chooses how to shard a training step on a mesh by the
+modelled time of dry runs (`CostModel`), under a memory budget per rank.
+
+    planner = AutoPlanner(mesh, example_inputs=(tokens,), memory_budget=8 * 2**30)
+    plan = planner.build_plan(model)       # a ShardingPlan (tp styles); roles per mesh dim in planner.report
+    print(planner.report)                  # every candidate: modelled step time, communication, peak memory
+    planner.apply(model, mesh)             # the plan and data parallel / ZeRO-3 on the real mesh
+"""
+
+from ._auto import AutoPlanner, AutoPlanReport, Candidate
+from ._cost import CostModel, StepCost
+
+__all__ = ["AutoPlanReport", "AutoPlanner", "Candidate", "CostModel", "StepCost"]

@@ -1,0 +1,150 @@
+"""`AutoPlanner`: the modelled-cheapest roles for a mesh, found by dry runs.
+
+The known answers: a 2-layer MLP with a large hidden dim and a small batch, under a
+bandwidth-limited cost, is cut Megatron's way (the first layer by columns, the second by
+rows: one all_reduce of the small activation instead of the large gradients); the same MLP
+small with a large batch is plain data parallel. A memory budget below what data parallel
+needs makes it shard parameters (ZeRO-3) and the chosen plan's modelled peak stays within
+it. Clustering repeated blocks predicts the whole model's FLOPs and bytes exactly. The
+chosen plans are valid: applied on 4 real ranks, a training step equals one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.parallel import ColwiseParallel, RowwiseParallel
+from shardwise.planner import AutoPlanner, CostModel
+from shardwise.planner._auto import _meta_copy
+from shardwise.testing import distributed
+
+SLOW_LINKS = CostModel(flops_per_second=1e11, default_bandwidth=1e8, latency=1e-5)
+
+
+def _mlp(d: int, h: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d, h), nn.ReLU(), nn.Linear(h, d))
+
+
+def test_a_wide_mlp_on_a_small_batch_is_cut_column_then_row() -> None:
+    planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(8, 512),), cost=SLOW_LINKS)
+    plan = planner.build_plan(_mlp(512, 2048))
+    assert planner.report is not None and planner.report.chosen.roles == ("tp",)
+    assert isinstance(plan.plan["0"], ColwiseParallel) and isinstance(plan.plan["2"], RowwiseParallel)
+    costs = {c.roles: c.cost for c in planner.report.candidates}
+    # data parallel all_reduces the 2 x 512 x 2048 weights' gradients; tp one 8 x 512 activation
+    assert costs[("dp",)].comm_bytes > 100 * costs[("tp",)].comm_bytes
+    assert "x=tp" in str(planner.report) and "<- chosen" in str(planner.report)
+
+
+def test_a_small_mlp_on_a_large_batch_is_data_parallel() -> None:
+    planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 32),), cost=SLOW_LINKS)
+    plan = planner.build_plan(_mlp(32, 128))
+    assert planner.report is not None and planner.report.chosen.roles == ("dp",) and plan.plan == {}
+
+
+def test_an_attention_block_model_is_cut_megatron_style() -> None:
+    from shardwise._demo.model import CharGPT, CharGPTConfig
+
+    torch.manual_seed(0)
+    model = CharGPT(CharGPTConfig(vocab=64, d_model=256, seq=16, layers=1))
+    planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randint(0, 64, (2, 16)),),
+                          cost=SLOW_LINKS)
+    plan = planner.build_plan(model)
+    assert planner.report is not None and planner.report.chosen.roles == ("tp",)
+    kinds = {k.rsplit(".", 1)[-1]: type(v).__name__ for k, v in plan.plan.items()}
+    assert kinds["q"] == kinds["up"] == "ColwiseParallel" and kinds["proj"] == kinds["down"] == "RowwiseParallel", kinds
+
+
+def test_a_memory_budget_below_data_parallel_shards_parameters() -> None:
+    model = _mlp(256, 1024)
+    free = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 256),), cost=SLOW_LINKS)
+    free.build_plan(model)
+    assert free.report is not None and free.report.chosen.roles == ("dp",)
+    dp = free.report.chosen.cost.peak_bytes
+    zero = next(c.cost.peak_bytes for c in free.report.candidates if c.roles == ("zero",))
+    assert zero < dp
+    tight = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 256),), cost=SLOW_LINKS,
+                        memory_budget=(zero + dp) // 2)
+    tight.build_plan(model)
+    assert tight.report is not None and tight.report.chosen.roles in {("zero",), ("tp",)}
+    assert tight.report.chosen.cost.peak_bytes <= (zero + dp) // 2
+    assert [c.fits for c in tight.report.candidates if c.roles == ("dp",)] == [False]
+    with pytest.raises(ValueError, match=r"fits memory_budget=1000 B per rank: the smallest peak is"):
+        AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 256),),
+                    memory_budget=1000).build_plan(model)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("roles", [("tp", "dp"), ("zero", "tp")])
+def test_clustered_layers_predict_the_whole_models_flops_and_bytes(roles: tuple[str, str]) -> None:
+    model = _Stack(64, 6)
+    planner = AutoPlanner(sw.AbstractMesh((2, 2), ("a", "b")), example_inputs=(torch.randn(8, 64),), cost=SLOW_LINKS)
+    clustered = planner.compare(model, {"it": roles})["it"]
+    whole = planner._measure(model, roles, None)
+    assert (clustered.flops, clustered.comm_bytes, clustered.collectives) == \
+        (whole.flops, whole.comm_bytes, whole.collectives)
+    assert clustered.peaks["parameters"] == whole.peaks["parameters"]
+    assert len(list(_meta_copy(model, 2).blocks)) == 2 and next(_meta_copy(model, 1).parameters()).is_meta
+
+
+@distributed(world_size=4)
+def test_the_chosen_plans_train_as_one_process() -> None:
+    for d, h, batch, roles in ((64, 512, 8, ("tp",)), (16, 32, 512, ("dp",))):
+        reference = _mlp(d, h).double()
+        inputs = torch.randn(batch, d, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(inputs,), cost=SLOW_LINKS)
+        planner.build_plan(_mlp(d, h).double())
+        mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
+        model = planner.apply(_mlp(d, h).double(), mesh)
+        assert planner.report is not None and planner.report.chosen.roles == roles
+        rank = mesh.get_local_rank(0)
+        mine = inputs if planner.report.chosen.roles == ("tp",) else inputs.chunk(4)[rank]
+        out = model(mine)
+        loss = (out.full_tensor() if isinstance(out, sw.DTensor) else out).square().mean()
+        loss.backward()
+        reference(inputs).square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            g = p.grad.full_tensor() if isinstance(p.grad, sw.DTensor) else p.grad
+            torch.testing.assert_close(g, q.grad, rtol=0, atol=1e-10, msg=name)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"plans 1-D and 2-D meshes"):
+        AutoPlanner(sw.AbstractMesh((2, 2, 2)), example_inputs=(torch.randn(2, 2),))
+    with pytest.raises(TypeError, match=r"example_inputs is the tuple"):
+        AutoPlanner(sw.AbstractMesh((4,)), example_inputs=torch.randn(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"memory_budget is bytes per rank"):
+        AutoPlanner(sw.AbstractMesh((4,)), example_inputs=(torch.randn(2, 2),), memory_budget=-1)
+    planner = AutoPlanner(sw.AbstractMesh((4,)), example_inputs=(torch.randn(6, 8),))
+    with pytest.raises(ValueError, match=r"roles \('pp',\) must give each"):
+        planner.compare(_mlp(8, 8), {"x": ("pp",)})
+    with pytest.raises(ValueError, match=r"6 rows does not split evenly over 4"):
+        planner.compare(_mlp(8, 8), {"x": ("dp",)})
+    with pytest.raises(ValueError, match=r"rates must be positive"):
+        CostModel(default_bandwidth=0)
