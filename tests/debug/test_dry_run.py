@@ -220,3 +220,16 @@ def test_a_dry_run_of_a_pipeline_plays_every_stage_and_matches_the_real_ranks() 
         assert sum(c.kind == "recv" for c in mine.collectives) == 3 * 2  # header, metadata, activation per micro-batch
     with pytest.raises(RuntimeError, match=r"waits for a message from rank 2 .*rank 2 is not simulated"):
         dry_run(lambda: _pipeline(mesh, *_batch()), mesh=mesh, ranks=[0])
+
+
+def test_a_step_blocked_on_what_a_dry_run_cannot_answer_fails_within_the_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.setenv("SHARDWISE_COLLECTIVE_TIMEOUT", "1")
+    release = threading.Event()
+    try:
+        with pytest.raises(RuntimeError, match=r"simulated ranks \[0\] did not finish within"):
+            dry_run(lambda: release.wait(), mesh=sw.AbstractMesh((2,)))
+    finally:
+        release.set()  # the blocked thread ends

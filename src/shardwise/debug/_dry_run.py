@@ -33,7 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .._comm import CommRecord
-from .._mesh import AbstractMesh
+from .._mesh import AbstractMesh, collective_timeout
 from .._comm._dry import SIMULATION, Simulation
 from .._mesh_dry import PER_RANK_CACHES, DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
 from .._tensor._wrap import DTENSOR_CLASSES
@@ -100,8 +100,14 @@ def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optio
         for t in threads:
             t.start()
         sim.begin()
+        deadline = time.monotonic() + collective_timeout().total_seconds()
         for t in threads:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [r for t, r in zip(threads, ranks) if t.is_alive()]
+        if stuck:  # fn blocked on something a dry run cannot answer (a real process group, a lock)
+            raise RuntimeError(f"dry run: simulated ranks {stuck} did not finish within SHARDWISE_COLLECTIVE_TIMEOUT "
+                               f"({collective_timeout().total_seconds():.0f} s); fn may wait on a real process group "
+                               f"or another thread, which a dry run cannot answer")
     finally:
         SIMULATION[0] = None
         _caches_for(simulated_rank())
