@@ -45,7 +45,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "checkpoint",
-                                         "collective_bookkeeping", "cross_mesh", "dry_run", "planner"}
+                                         "collective_bookkeeping", "cross_mesh", "dry_run", "planner", "planner_quality"}
 
 
 def test_every_overhead_row_is_there_for_both_libraries(quick_run: Any) -> None:
@@ -140,3 +140,11 @@ def test_the_dry_run_row_reports_both_sides(quick_run: Any) -> None:
     assert "collectives" in rows["shardwise dry_run"]["reports"] and "dry run of a 2-layer" in proc.stdout
     planned = record["benchmarks"]["planner"]["rows"][0]
     assert planned["who"] == "shardwise AutoPlanner" and planned["seconds"] > 0 and "of 4 candidates" in planned["chosen"]
+
+
+def test_the_planner_quality_rows_measure_every_plan(quick_run: Any) -> None:
+    _, record = quick_run
+    rows = record["benchmarks"]["planner_quality"]["rows"]
+    assert [r["plan"].split(" (")[0] for r in rows] == ["AutoPlanner", "megatron", "data parallel"]
+    for r in rows:
+        assert isinstance(r["measured_ms"], float) and isinstance(r["modelled_ms"], float), r
