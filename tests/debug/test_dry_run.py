@@ -233,3 +233,46 @@ def test_a_step_blocked_on_what_a_dry_run_cannot_answer_fails_within_the_timeout
             dry_run(lambda: release.wait(), mesh=sw.AbstractMesh((2,)))
     finally:
         release.set()  # the blocked thread ends
+
+
+def _llama(mesh: Any) -> tuple[Any, Any]:
+    """An unchanged Hugging Face Llama (GQA, sdpa), cut by MegatronPlanner over tp, ZeRO-3 over dp."""
+    import transformers
+
+    from shardwise.parallel import MegatronPlanner, data_parallel, shard_module
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32))
+    shard_module(model, MegatronPlanner(), mesh["tp"])
+    data_parallel(model, mesh, dp_dim="dp", shard_parameters=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _llama_step(model: Any, opt: Any, ids: torch.Tensor) -> None:
+    opt.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+
+
+def _real_llama() -> tuple[list[tuple[str, int, int]], dict[str, int]]:
+    model, opt = _llama(sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    with sw.comm_log() as log:
+        _llama_step(model, opt, torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3)))
+    return [(r.op, r.group_size, r.bytes_received) for r in log], _held(model, opt)
+
+
+def test_a_dry_run_of_an_unchanged_hugging_face_llama_matches_the_real_ranks() -> None:
+    pytest.importorskip("transformers")
+    real = run_distributed(_real_llama, 4)
+    mesh = sw.AbstractMesh((2, 2), ("dp", "tp"))
+    with torch.device("meta"):
+        model, opt = _llama(mesh)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    report = dry_run(_llama_step, model, opt, ids, mesh=mesh, ranks=range(4))
+    for rank, (log, held) in enumerate(real):
+        mine = report.rank(rank)
+        assert [(c.kind, c.group_size, c.bytes) for c in mine.collectives] == log, rank
+        assert {k: mine.memory.peaks[k] for k in held} == held, rank
+    assert sum(report.rank(0).flops.values()) > 0

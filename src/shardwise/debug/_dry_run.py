@@ -289,7 +289,7 @@ class _AsOnCpu(TorchFunctionMode):
         if func is _SDPA:
             bound = dict(zip(_SDPA_ARGS, args), **kwargs)
             q = bound.get("query")
-            if isinstance(q, torch.Tensor) and q.is_meta and not bound.get("enable_gqa", False):
+            if isinstance(q, torch.Tensor) and q.is_meta:  # (the CPU kernel takes fewer kv heads itself: GQA)
                 choice = torch.ops.aten._fused_sdp_choice.default(
                     *[_stand_in(a) for a in args], **{k: _stand_in(v) for k, v in kwargs.items()})
                 if choice == _FLASH_CPU:
