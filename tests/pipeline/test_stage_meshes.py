@@ -17,6 +17,8 @@ stages of widths 2 and 1 (split by columns on one, whole on the other) steps as 
 
 from __future__ import annotations
 
+import functools
+
 from collections import defaultdict
 from typing import Any
 
@@ -37,16 +39,8 @@ from ._mlp import D, PLAN, batch, mlp, one_process
 H, ROWS, CHUNKS, STEPS = 12, 12, 2, 3
 
 
-def _model() -> nn.Sequential:
-    return mlp(H)
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return batch(step, ROWS)
-
-
-def _reference() -> list[tuple[float, dict[str, torch.Tensor]]]:
-    return one_process(_model(), ROWS, STEPS)
+_model = functools.partial(mlp, H)  # module-level names: the worker processes import them
+_batch = functools.partial(batch, rows=ROWS)
 
 
 def _payloads(records: list[Any], kind: str, senders: int) -> list[int]:
@@ -94,7 +88,7 @@ def _rows_held(rows: int, width: int, index: int) -> int:
     ([[[0, 1], [2, 3]], [[4], [5]]], ("dp", "tp")),
 ], ids=["tp4-tp2", "tp1-tp2", "dp2tp2-dp2tp1"])
 def test_stages_of_different_tp_widths_train_like_one_process(grids: list[Any], names: tuple[str, ...]) -> None:
-    reference = _reference()
+    reference = one_process(_model(), ROWS, STEPS)
     world = sum(torch.tensor(g).numel() for g in grids)
     results = run_distributed(_train, world, grids, names, timeout=300)
     for rank, r in enumerate(results):

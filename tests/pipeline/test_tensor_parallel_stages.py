@@ -21,6 +21,8 @@ stage 0 to the popping layer in stage 1 as each rank's piece, with exact gradien
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -45,16 +47,8 @@ from ._mlp import D, PLAN, batch, mlp, one_process
 H, ROWS, CHUNKS, STEPS = 16, 8, 2, 3
 
 
-def _model() -> nn.Sequential:
-    return mlp(H)
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return batch(step, ROWS)
-
-
-def _reference() -> list[tuple[float, dict[str, torch.Tensor]]]:
-    return one_process(_model(), ROWS, STEPS)
+_model = functools.partial(mlp, H)  # module-level names: the worker processes import them
+_batch = functools.partial(batch, rows=ROWS)
 
 
 def _train(shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
@@ -82,7 +76,7 @@ def _train(shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
 @pytest.mark.parametrize(("shape", "names"), [((2, 2), ("pp", "tp")), ((2, 2, 2), ("pp", "dp", "tp"))],
                          ids=["pp2-tp2", "pp2-dp2-tp2"])
 def test_tensor_parallel_stages_train_like_one_process(shape: tuple[int, ...], names: tuple[str, ...]) -> None:
-    reference = _reference()
+    reference = one_process(_model(), ROWS, STEPS)
     results = run_distributed(_train, math.prod(shape), shape, names, timeout=300)
     dp = 2 if "dp" in names else 1
     for rank, r in enumerate(results):
