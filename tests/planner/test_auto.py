@@ -18,11 +18,14 @@ import torch
 from torch import nn
 
 import shardwise as sw
+from shardwise._layout import Layout
 from shardwise.parallel import ColwiseParallel, RowwiseParallel
+from shardwise import Replicate, Shard
 from shardwise.planner import AutoPlanner, CostModel
-from shardwise.planner._auto import _meta_copy
+from shardwise.planner._model import meta_copy
 from shardwise.testing import distributed
 
+R, S0, S1 = Layout((Replicate(),)), Layout((Shard(0),)), Layout((Shard(1),))
 SLOW_LINKS = CostModel(flops_per_second=1e11, default_bandwidth=1e8, latency=1e-5)
 
 
@@ -34,18 +37,30 @@ def _mlp(d: int, h: int) -> nn.Module:
 def test_a_wide_mlp_on_a_small_batch_is_cut_column_then_row() -> None:
     planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(8, 512),), cost=SLOW_LINKS)
     plan = planner.build_plan(_mlp(512, 2048))
-    assert planner.report is not None and planner.report.chosen.roles == ("tp",)
-    assert isinstance(plan.plan["0"], ColwiseParallel) and isinstance(plan.plan["2"], RowwiseParallel)
+    assert planner.report is not None and planner.layouts is not None
+    # the layout solver, from the ops' own strategies: the first layer by columns (its bias
+    # with them), the second by rows, the input replicated
+    assert planner.layouts.parameters == {"0.weight": S0, "0.bias": S0, "2.weight": S1, "2.bias": R}
+    assert planner.layouts.inputs == (R,)
     costs = {c.roles: c.cost for c in planner.report.candidates}
+    assert planner.report.chosen.roles == ("auto",) and plan is planner.layouts.plan
+    assert costs[("auto",)].seconds <= costs[("tp",)].seconds  # at most the Megatron hand plan's
     # data parallel all_reduces the 2 x 512 x 2048 weights' gradients; tp one 8 x 512 activation
     assert costs[("dp",)].comm_bytes > 100 * costs[("tp",)].comm_bytes
     assert "x=tp" in str(planner.report) and "<- chosen" in str(planner.report)
+    assert "0.weight: (S(0))" in planner.layouts.describe()
 
 
 def test_a_small_mlp_on_a_large_batch_is_data_parallel() -> None:
-    planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 32),), cost=SLOW_LINKS)
-    plan = planner.build_plan(_mlp(32, 128))
-    assert planner.report is not None and planner.report.chosen.roles == ("dp",) and plan.plan == {}
+    planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 32),), cost=SLOW_LINKS,
+                          loss_fn=lambda out: out.square().mean())
+    planner.build_plan(_mlp(32, 128))
+    assert planner.report is not None and planner.layouts is not None
+    # the solver finds data parallel itself: the batch split, every parameter replicated
+    assert planner.layouts.inputs == (S0,) and set(planner.layouts.parameters.values()) == {R}
+    costs = {c.roles: c.cost for c in planner.report.candidates}
+    assert planner.report.chosen.roles in {("auto",), ("dp",)}
+    assert costs[("auto",)].comm_bytes <= costs[("dp",)].comm_bytes < costs[("tp",)].comm_bytes / 10
 
 
 def test_an_attention_block_model_is_cut_megatron_style() -> None:
@@ -63,18 +78,20 @@ def test_an_attention_block_model_is_cut_megatron_style() -> None:
 
 def test_a_memory_budget_below_data_parallel_shards_parameters() -> None:
     model = _mlp(256, 1024)
-    free = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 256),), cost=SLOW_LINKS)
+    square = dict(loss_fn=lambda out: out.square().mean(), cost=SLOW_LINKS)
+    free = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 256),), **square)
     free.build_plan(model)
-    assert free.report is not None and free.report.chosen.roles == ("dp",)
-    dp = free.report.chosen.cost.peak_bytes
+    assert free.report is not None and free.report.chosen.roles in {("dp",), ("auto",)}
+    dp = next(c.cost.peak_bytes for c in free.report.candidates if c.roles == ("dp",))
     zero = next(c.cost.peak_bytes for c in free.report.candidates if c.roles == ("zero",))
     assert zero < dp
-    tight = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 256),), cost=SLOW_LINKS,
-                        memory_budget=(zero + dp) // 2)
+    tight = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 256),),
+                        memory_budget=(zero + dp) // 2, **square)
     tight.build_plan(model)
-    assert tight.report is not None and tight.report.chosen.roles in {("zero",), ("tp",)}
+    assert tight.report is not None and tight.report.chosen.roles != ("dp",)
     assert tight.report.chosen.cost.peak_bytes <= (zero + dp) // 2
     assert [c.fits for c in tight.report.candidates if c.roles == ("dp",)] == [False]
+    assert tight.layouts is not None and any(lay != R for lay in tight.layouts.parameters.values())
     with pytest.raises(ValueError, match=r"fits memory_budget=1000 B per rank: the smallest peak is"):
         AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4096, 256),),
                     memory_budget=1000).build_plan(model)
@@ -110,22 +127,23 @@ def test_clustered_layers_predict_the_whole_models_flops_and_bytes(roles: tuple[
     assert (clustered.flops, clustered.comm_bytes, clustered.collectives) == \
         (whole.flops, whole.comm_bytes, whole.collectives)
     assert clustered.peaks["parameters"] == whole.peaks["parameters"]
-    assert len(list(_meta_copy(model, 2).blocks)) == 2 and next(_meta_copy(model, 1).parameters()).is_meta
+    assert len(list(meta_copy(model, 2).blocks)) == 2 and next(meta_copy(model, 1).parameters()).is_meta
 
 
 @distributed(world_size=4)
 def test_the_chosen_plans_train_as_one_process() -> None:
-    for d, h, batch, roles in ((64, 512, 8, ("tp",)), (16, 32, 512, ("dp",))):
+    for d, h, batch in ((64, 512, 8), (16, 32, 4096)):
         reference = _mlp(d, h).double()
         inputs = torch.randn(batch, d, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-        planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(inputs,), cost=SLOW_LINKS)
+        planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(inputs,), cost=SLOW_LINKS,
+                              loss_fn=lambda out: out.square().mean())
         planner.build_plan(_mlp(d, h).double())
         mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
         model = planner.apply(_mlp(d, h).double(), mesh)
-        assert planner.report is not None and planner.report.chosen.roles == roles
-        rank = mesh.get_local_rank(0)
-        mine = inputs if planner.report.chosen.roles == ("tp",) else inputs.chunk(4)[rank]
-        out = model(mine)
+        assert planner.layouts is not None
+        # the solver's plan either way: Megatron's cuts for the wide MLP, data parallel for the small one
+        assert planner.layouts.inputs == ((R,) if batch == 8 else (S0,))
+        out = model(*planner.local_inputs((inputs,), mesh))
         loss = (out.full_tensor() if isinstance(out, sw.DTensor) else out).square().mean()
         loss.backward()
         reference(inputs).square().mean().backward()

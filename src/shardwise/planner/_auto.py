@@ -30,15 +30,19 @@ import torch
 from torch import nn
 
 from .._mesh import AbstractMesh, DeviceMesh
+from .._placement import Replicate
 from ..debug import dry_run
 from ..parallel import MegatronPlanner, ShardingPlan, ShardingPlanner, data_parallel, shard_module
 from ._cost import CostModel, StepCost
+from ._layout_plan import LayoutPlan, plan_layouts
+from ._solve import MemoryBudgetError
+from ._model import default_loss, meta_copy, repeated, steady
 
 __all__ = ["AutoPlanReport", "AutoPlanner", "Candidate"]
 
 Roles = tuple[str, ...]
 Blocks = Any  # an nn.ModuleList or nn.Sequential
-ROLES = ("dp", "zero", "tp")
+ROLES = ("dp", "zero", "tp", "auto")
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ class AutoPlanner(ShardingPlanner):
                  memory_budget: Optional[int] = None, cost: Optional[CostModel] = None,
                  loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
                  optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
-                 tp_planner: Optional[ShardingPlanner] = None) -> None:
+                 tp_planner: Optional[ShardingPlanner] = None, time_limit: float = 10.0) -> None:
         if not isinstance(mesh, AbstractMesh):
             raise TypeError(f"AutoPlanner plans for a mesh (a DeviceMesh or an AbstractMesh), got {type(mesh).__name__}")
         if mesh.ndim > 2:
@@ -114,9 +118,11 @@ class AutoPlanner(ShardingPlanner):
         self.example_inputs = tuple(example_inputs)
         self.memory_budget = memory_budget
         self.cost = cost if cost is not None else CostModel.gloo_cpu()
-        self.loss_fn = loss_fn if loss_fn is not None else _default_loss
+        self.loss_fn = loss_fn if loss_fn is not None else default_loss
         self.optimizer = optimizer
         self.tp_planner = tp_planner if tp_planner is not None else MegatronPlanner()
+        self.time_limit = time_limit
+        self.layouts: Optional[LayoutPlan] = None
         self.report: Optional[AutoPlanReport] = None
 
     # -- planning -----------------------------------------------------------------------
@@ -127,6 +133,15 @@ class AutoPlanner(ShardingPlanner):
         start = time.perf_counter()
         tp_plan = self.tp_planner.build_plan(module)
         options = [r for r in self._options(bool(tp_plan.plan)) if self._splits(r)]
+        self.layouts = None
+        if self.abstract.ndim == 1:
+            try:
+                self.layouts = plan_layouts(module, self.abstract, self.example_inputs, self.loss_fn, self.cost,
+                                            memory_budget=self.memory_budget,
+                                            state_factor=_state_factor(self.optimizer), time_limit=self.time_limit)
+                options.append(("auto",))
+            except MemoryBudgetError:  # the role candidates below say how close they come
+                self.layouts = None
         if not options:
             raise ValueError(f"the batch of example_inputs splits evenly over no data-parallel dim of mesh "
                              f"{self.mesh.shape}, and no dim can be tensor parallel: give a batch divisible by them")
@@ -139,6 +154,8 @@ class AutoPlanner(ShardingPlanner):
                              f"({', '.join(least.roles)}); raise the budget, use a bigger mesh, or shrink the batch")
         chosen = min(fitting, key=lambda c: (c.cost.seconds, c.cost.comm_bytes))
         plan = tp_plan if "tp" in chosen.roles else ShardingPlan(plan={})
+        if chosen.roles == ("auto",) and self.layouts is not None:
+            plan = self.layouts.plan
         self.report = AutoPlanReport(self.mesh.shape, self.names, candidates, chosen, plan,
                                      time.perf_counter() - start, self.memory_budget)
         return plan
@@ -156,6 +173,24 @@ class AutoPlanner(ShardingPlanner):
         if tuple(mesh.shape) != tuple(self.mesh.shape):
             raise ValueError(f"the plan is for a mesh of shape {self.mesh.shape}, got {mesh.shape}")
         return _shard(module, mesh, self.names, self.report.chosen.roles, self.report.plan)
+
+    def local_inputs(self, inputs: Sequence[Any], mesh: DeviceMesh) -> tuple[Any, ...]:
+        """This rank's share of the global batch `inputs` under the chosen plan: the rows of
+        its data-parallel coordinate for a data-parallel dim or an input the solver splits
+        (`Shard(0)`), the whole input otherwise."""
+        if self.report is None:
+            raise ValueError("local_inputs follows the chosen plan: call build_plan first")
+        roles = self.report.chosen.roles
+        if roles == ("auto",):
+            assert self.layouts is not None
+            parts = mesh.size(0)
+            return tuple(x if lay is None or lay.placements[0] == Replicate() else x.chunk(parts)[mesh.get_local_rank(0)]
+                         for x, lay in zip(inputs, self.layouts.inputs))
+        data = [d for d, r in enumerate(roles) if r in ("dp", "zero")]
+        if not data:
+            return tuple(inputs)
+        parts, me = mesh.size(data[0]), mesh.get_local_rank(data[0])
+        return tuple(x.chunk(parts)[me] if isinstance(x, torch.Tensor) and x.ndim > 0 else x for x in inputs)
 
     def _options(self, can_tp: bool) -> list[Roles]:
         if self.abstract.ndim == 1:
@@ -180,10 +215,12 @@ class AutoPlanner(ShardingPlanner):
 
     def _candidate(self, module: nn.Module, roles: Roles) -> Candidate:
         bad = [r for r in roles if r not in ROLES]
-        if bad or len(roles) != self.abstract.ndim or roles.count("tp") > 1:
+        if bad or len(roles) != self.abstract.ndim or roles.count("tp") > 1 or ("auto" in roles and roles != ("auto",)):
             raise ValueError(f"roles {roles} must give each of the {self.abstract.ndim} mesh dims one of {ROLES}, at most "
-                             f"one 'tp'")
-        blocks = _repeated(module)
+                             f"one 'tp' ('auto', the layout solver's plan, on 1-D meshes only)")
+        if "auto" in roles and self.layouts is None:
+            raise ValueError("roles ('auto',) is the layout solver's plan: call build_plan first")
+        blocks = repeated(module)
         if blocks is None or len(blocks[1]) <= 2:
             cost = self._measure(module, roles, None)
         else:
@@ -193,14 +230,22 @@ class AutoPlanner(ShardingPlanner):
         return Candidate(roles, cost, fits)
 
     def _measure(self, module: nn.Module, roles: Roles, keep: Optional[int]) -> StepCost:
-        model = _meta_copy(module, keep)
+        model = meta_copy(module, keep)
         plan = self.tp_planner.build_plan(model) if "tp" in roles else ShardingPlan(plan={})
+        if roles == ("auto",):
+            assert self.layouts is not None
+            plan = self.layouts.plan
         _shard(model, self.abstract, self.names, roles, plan)
         opt = self.optimizer(model.parameters())
-        _steady(model, opt)
-        data = [d for d, r in enumerate(roles) if r != "tp"]
-        split = self.abstract.shape[data[0]] if data else 1
-        inputs = tuple(_share(x, split) for x in self.example_inputs)
+        steady(model, opt)
+        if roles == ("auto",):
+            assert self.layouts is not None
+            inputs = tuple(x if lay is None or lay.placements[0] == Replicate() else _share(x, self.abstract.shape[0])
+                           for x, lay in zip(self.example_inputs, self.layouts.inputs))
+        else:
+            data = [d for d, r in enumerate(roles) if r not in ("tp", "auto")]
+            split = self.abstract.shape[data[0]] if data else 1
+            inputs = tuple(_share(x, split) for x in self.example_inputs)
         loss_fn = self.loss_fn
 
         def step(model: nn.Module, opt: torch.optim.Optimizer, *inputs: Any) -> None:
@@ -213,6 +258,8 @@ class AutoPlanner(ShardingPlanner):
 
 
 def _shard(module: nn.Module, mesh: Any, names: tuple[str, ...], roles: Roles, plan: ShardingPlan) -> nn.Module:
+    if roles == ("auto",):
+        return shard_module(module, plan, mesh)
     if "tp" in roles:
         shard_module(module, plan, mesh[names[roles.index("tp")]] if len(roles) > 1 else mesh)
     data = [d for d, r in enumerate(roles) if r != "tp"]
@@ -221,27 +268,10 @@ def _shard(module: nn.Module, mesh: Any, names: tuple[str, ...], roles: Roles, p
     return module
 
 
-def _steady(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Give the optimizer its state before the measured step (a step on zero gradients, meta
-    tensors, no communication), so the step's peak is a steady-state step's, state included."""
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def _default_loss(output: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(output, (tuple, list)):
-        output = output[0]
-    logits = getattr(output, "logits", output)
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"AutoPlanner's default loss takes a tensor output or one with .loss / .logits, got "
-                        f"{type(output).__name__}: pass loss_fn=")
-    return logits.float().mean()
+def _state_factor(optimizer: Any) -> float:
+    """Optimizer state per parameter element, in parameters: two moments for the Adam family,
+    one momentum buffer otherwise."""
+    return 2.0 if "adam" in getattr(optimizer, "__name__", "").lower() else 1.0
 
 
 def _share(x: Any, parts: int) -> Any:
@@ -252,35 +282,3 @@ def _share(x: Any, parts: int) -> Any:
         raise ValueError(f"a batch of {x.shape[0]} rows does not split evenly over {parts} data-parallel ranks: give "
                          f"example_inputs a batch dim divisible by {parts}")
     return x[: x.shape[0] // parts]
-
-
-def _repeated(module: nn.Module) -> Optional[tuple[str, Blocks]]:
-    """The largest list (ModuleList or Sequential) of blocks of one type and parameter shapes."""
-    best: Optional[tuple[str, Blocks]] = None
-    for name, m in module.named_modules():
-        if name and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2:
-            kinds = {(type(c), tuple((n, tuple(p.shape)) for n, p in c.named_parameters())) for c in m}
-            first = next(iter(m))
-            if len(kinds) == 1 and any(True for _ in first.parameters()) and (best is None or len(m) > len(best[1])):
-                best = (name, m)
-    return best
-
-
-def _meta_copy(module: nn.Module, keep: Optional[int]) -> nn.Module:
-    """`module` with meta parameters and buffers (no data copied), keeping only the first
-    `keep` blocks of its repeated list when `keep` is given."""
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    out = copy.deepcopy(module, memo)
-    if keep is not None:
-        found = _repeated(out)
-        assert found is not None
-        name, blocks = found
-        parent_name, _, attr = name.rpartition(".")
-        parent = out.get_submodule(parent_name) if parent_name else out
-        setattr(parent, attr, type(blocks)(*list(blocks)[:keep]) if isinstance(blocks, nn.Sequential)
-                else nn.ModuleList(list(blocks)[:keep]))
-    return out

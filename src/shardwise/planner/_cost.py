@@ -30,16 +30,20 @@ __all__ = ["CostModel", "StepCost"]
 @dataclass(frozen=True)
 class CostModel:
     """Rates a step is modelled with. `bandwidth`: bytes per second per mesh dim, by name or
-    index (`default_bandwidth` for the dims not named); `latency`: seconds per collective."""
+    index (`default_bandwidth` for the dims not named); `latency`: seconds per collective;
+    `memory_bandwidth`: bytes per second an op writes (what the layout solver charges
+    elementwise ops, which do few FLOPs)."""
 
     flops_per_second: float = 5e10
     default_bandwidth: float = 1e9
     bandwidth: Mapping[Union[str, int], float] = field(default_factory=dict)
     latency: float = 1e-4
     p2p_bandwidth: Optional[float] = None
+    memory_bandwidth: float = 2e10
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in {"flops_per_second": self.flops_per_second, "default_bandwidth": self.default_bandwidth,
+                                 "memory_bandwidth": self.memory_bandwidth,
                                  **{f"bandwidth[{d!r}]": b for d, b in self.bandwidth.items()}}.items()
                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0}
         if bad or not isinstance(self.latency, (int, float)) or self.latency < 0:
@@ -48,15 +52,16 @@ class CostModel:
     @classmethod
     def gloo_cpu(cls) -> CostModel:
         """gloo over localhost TCP on a small CPU box: ~1 GB/s per link, ~100 us per collective,
-        ~50 GFLOP/s of fp32 matmul per process."""
-        return cls(flops_per_second=5e10, default_bandwidth=1e9, latency=1e-4)
+        ~50 GFLOP/s of fp32 matmul and ~20 GB/s of memory traffic per process."""
+        return cls(flops_per_second=5e10, default_bandwidth=1e9, latency=1e-4, memory_bandwidth=2e10)
 
     @classmethod
     def gpu_cluster(cls, inner: str = "tp", outer: Sequence[str] = ("dp", "pp")) -> CostModel:
         """H100-class GPUs: ~400 TFLOP/s bf16 at 60% use; NVLink ~300 GB/s for the `inner` dim,
-        InfiniBand ~25 GB/s per GPU for the `outer` dims; ~20 us per collective."""
+        InfiniBand ~25 GB/s per GPU for the `outer` dims; ~20 us per collective;
+        ~2 TB/s of HBM traffic."""
         return cls(flops_per_second=2.4e14, default_bandwidth=2.5e10,
-                   bandwidth={inner: 3e11, **{d: 2.5e10 for d in outer}}, latency=2e-5)
+                   bandwidth={inner: 3e11, **{d: 2.5e10 for d in outer}}, latency=2e-5, memory_bandwidth=2e12)
 
     def bandwidth_of(self, mesh_dims: Sequence[Union[str, int]]) -> float:
         if not mesh_dims:
