@@ -25,6 +25,8 @@ from shardwise.planner import AutoPlanner, CostModel
 from shardwise.planner._model import meta_copy
 from shardwise.testing import distributed
 
+from ._models import Stack
+
 R, S0, S1 = Layout((Replicate(),)), Layout((Shard(0),)), Layout((Shard(1),))
 SLOW_LINKS = CostModel(flops_per_second=1e11, default_bandwidth=1e8, latency=1e-5)
 
@@ -97,30 +99,9 @@ def test_a_memory_budget_below_data_parallel_shards_parameters() -> None:
                     memory_budget=1000).build_plan(model)
 
 
-class _Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class _Stack(nn.Module):
-    def __init__(self, d: int, n: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Block(d) for _ in range(n))
-        self.head = nn.Linear(d, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
 @pytest.mark.parametrize("roles", [("tp", "dp"), ("zero", "tp")])
 def test_clustered_layers_predict_the_whole_models_flops_and_bytes(roles: tuple[str, str]) -> None:
-    model = _Stack(64, 6)
+    model = Stack(64, 6)
     planner = AutoPlanner(sw.AbstractMesh((2, 2), ("a", "b")), example_inputs=(torch.randn(8, 64),), cost=SLOW_LINKS)
     clustered = planner.compare(model, {"it": roles})["it"]
     whole = planner._measure(model, roles, None)

@@ -38,7 +38,7 @@ from ..debug._memory import _FLOPS
 from ._cost import CostModel
 from ._trace import Graph, Node, Ref
 
-__all__ = ["Choice", "Problem", "enumerate_choices"]
+__all__ = ["VIEWS", "Choice", "Problem", "enumerate_choices"]
 
 @dataclass(frozen=True)
 class Choice:
@@ -208,12 +208,12 @@ def _seconds(problem: Problem, node: Node, reads: list[Ref], c: Choice, flops: f
     mesh, cost = problem.mesh, problem.cost
     frac = min([_fraction(lay, mesh) for lay in c.outs] + [_fraction(lay, mesh) for lay in c.ins] or [1.0])
     written = sum(problem.local_bytes(m, lay) for m, lay in zip(node.outs, c.outs) if m is not None)
-    if node.kind != "op" or node.op in _VIEWS:
+    if node.kind != "op" or node.op in VIEWS:
         written = 0
     return flops * frac / cost.flops_per_second + written / cost.memory_bandwidth
 
 
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
+VIEWS = {torch.ops.aten.view.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
           torch.ops.aten.expand.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default,
           torch.ops.aten.detach.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
           torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.split.Tensor,

@@ -60,8 +60,9 @@ class LayoutPlan:
 
 
 def _copies(graph: Graph, prefix: str) -> tuple[dict[int, int], dict[int, int]]:
-    """(node -> the block copy it belongs to, node -> its twin in the other copy); no twins
-    when the two copies' ops differ (the backward runs copy 1 first, so both ways)."""
+    """(node -> the block copy it belongs to, node -> its twin in the other copy, both ways: the
+    same op at the same place with the same shapes). The first block may lack ops the others
+    have (the gradient of a model input nobody asks for): those stay without a twin."""
     copy_of: dict[int, int] = {}
     keys: list[dict[tuple[Any, ...], int]] = [{}, {}]
     counts: list[dict[tuple[Any, ...], int]] = [{}, {}]
@@ -71,13 +72,13 @@ def _copies(graph: Graph, prefix: str) -> tuple[dict[int, int], dict[int, int]]:
             where = node.name if node.kind == "param" else node.path
             if where == head or where.startswith(head + "."):
                 copy_of[node.index] = b
-                rel = (node.kind, node.backward, str(node.op), where[len(head):])
+                shapes = tuple(tuple(m.shape) for m in node.outs if m is not None)
+                reads = tuple(tuple(graph.meta(r).shape) for r in node.refs()) if node.kind == "op" else ()
+                rel = (node.kind, node.backward, str(node.op), where[len(head):], shapes, reads)
                 ordinal = counts[b].get(rel, 0)
                 counts[b][rel] = ordinal + 1
                 keys[b][rel + (ordinal,)] = node.index
-    if keys[0].keys() != keys[1].keys():
-        return copy_of, {}
-    twins = {keys[1][k]: keys[0][k] for k in keys[0]}
+    twins = {keys[1][k]: keys[0][k] for k in keys[0].keys() & keys[1].keys()}
     return copy_of, {**twins, **{b: a for a, b in twins.items()}}
 
 
@@ -95,12 +96,22 @@ def plan_layouts(module: nn.Module, mesh: AbstractMesh, example_inputs: Sequence
     graph = trace_step(model, inputs, loss_fn)
     copy_of: dict[int, int] = {}
     twins: dict[int, int] = {}
-    if keep is not None and blocks is not None:
+    if keep is not None and blocks is not None:  # (copy_of stays empty otherwise: every weight 1)
         copy_of, twins = _copies(graph, blocks[0])
     problem = enumerate_choices(graph, mesh, cost, twins)
     group = [min(n, twins.get(n, n)) for n in range(len(graph.nodes))]
-    half = layers / 2 if twins else 1.0
-    node_weight = [half if n in copy_of and twins else 1.0 for n in range(len(graph.nodes))]
+    half = layers / 2
+
+    def times(n: int) -> float:
+        """How many of node n the whole model has: a bound pair stands for every block; a node
+        of the second copy alone for every block but the first."""
+        if n not in copy_of:
+            return 1.0
+        if n in twins:
+            return half
+        return layers - 1.0 if copy_of[n] == 1 else 1.0
+
+    node_weight = [times(n) for n in range(len(graph.nodes))]
     reach: dict[tuple[int, int], set[int]] = {}  # (outside node, twin group) -> copies it reaches
     for c in range(len(graph.nodes)):
         for ref in problem.reads[c]:
@@ -109,13 +120,15 @@ def plan_layouts(module: nn.Module, mesh: AbstractMesh, example_inputs: Sequence
                     reach.setdefault((a, group[b]), set()).add(copy_of[b])
 
     def edge_weight(p: int, c: int) -> float:
-        if not twins:
+        if p not in copy_of and c not in copy_of:
             return 1.0
         if p in copy_of and c in copy_of:
-            return half if copy_of[p] == copy_of[c] else layers - 1.0
+            if copy_of[p] != copy_of[c]:
+                return layers - 1.0
+            return half if p in twins and c in twins else times(p if p not in twins else c)
         outside, inside = (p, c) if c in copy_of else (c, p)
-        if inside not in copy_of:
-            return 1.0
+        if inside not in twins:
+            return times(inside)
         return half if len(reach.get((outside, group[inside]), ())) == 2 else 1.0
 
     solution = solve(problem, group=group, node_weight=node_weight, edge_weight=edge_weight,

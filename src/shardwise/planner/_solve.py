@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._choices import Problem
+from ._choices import VIEWS, Problem
 from ._trace import Ref
 
 __all__ = ["MemoryBudgetError", "Solution", "solve"]
@@ -52,6 +52,8 @@ def _memory(problem: Problem, state_factor: float) -> list[list[float]]:
     for node in graph.nodes:
         if node.backward:
             for ref in problem.reads[node.index]:
+                while graph.nodes[ref.node].op in VIEWS and problem.reads[ref.node]:
+                    ref = problem.reads[ref.node][0]  # a view keeps its base alive, nothing more
                 if not graph.nodes[ref.node].backward and graph.nodes[ref.node].kind != "param":
                     saved.add(ref)
     out: list[list[float]] = []
