@@ -8,6 +8,11 @@ dry run): a fake process group of 64 ranks (`init_process_group("fake")`), the m
 `parallelize_module` (the same Megatron cuts) and `fully_shard` per layer over dp, and the
 step run under `FakeTensorMode` (no data); it reports nothing by itself.
 
+The planner table: `AutoPlanner` choosing dp / ZeRO-3 / tp roles for the (8, 8) mesh by dry
+runs, and the layout solver alone (`planner._layout_plan.plan_layouts`: the step traced, every
+op's strategies as choices, a MILP solved by HiGHS, 32 layers clustered to 2) for the tp dim
+of 8 with one dp rank's batch, with the weights' layouts it chose.
+
 Each side runs in a fresh Python process of its own, so its wall time (from importing the
 library to the end of the step) and its peak resident memory are its own; importing torch
 and transformers is timed apart. The issue's bar for shardwise: under 60 s and under 2 GB on this 2-core box.
@@ -115,6 +120,24 @@ def _planner(config: dict[str, Any], seq: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - start, "candidates": len(planner.report.candidates), "chosen": chosen}
 
 
+def _solver(config: dict[str, Any], seq: int) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    import shardwise as sw
+    from shardwise.planner import CostModel
+    from shardwise.planner._layout_plan import plan_layouts
+
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    solved = plan_layouts(model, sw.AbstractMesh((MESH[1],), ("tp",)), (torch.randint(0, 100, (1, seq)),),
+                          lambda out: out.logits.float().logsumexp(-1).mean(), CostModel.gpu_cluster())
+    cuts = {name.rsplit(".", 2)[-2]: str(lay) for name, lay in solved.parameters.items()}
+    return {"seconds": time.perf_counter() - start, "solve_seconds": solved.solution.solve_seconds,
+            "variables": solved.solution.variables, "optimal": solved.solution.optimal, "cuts": cuts}
+
+
 def _child(which: str, quick: bool) -> None:
     started = time.perf_counter()
     import torch  # noqa: F401  (the imports are timed apart from the run)
@@ -122,7 +145,7 @@ def _child(which: str, quick: bool) -> None:
 
     imported = time.perf_counter() - started
     config, seq = (QUICK_MODEL, 128) if quick else (FULL_MODEL, 4096)
-    out = {"shardwise": _shardwise, "torch": _torch, "planner": _planner}[which](config, seq)
+    out = {"shardwise": _shardwise, "torch": _torch, "planner": _planner, "solver": _solver}[which](config, seq)
     out["import_seconds"] = imported
     out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out), flush=True)
@@ -154,18 +177,30 @@ def run(settings: Settings) -> list[Table]:
                                      Column("reports", "reports")], rows)
     table.notes.append(f"shardwise / torch time: {ours['seconds'] / theirs['seconds']:.2f}x; "
                        f"memory: {ours['max_rss_mib'] / theirs['max_rss_mib']:.2f}x (bar: < 60 s, < 2048 MiB)")
-    planned = _measure("planner", settings)
+    planned, solved = _measure("planner", settings), _measure("solver", settings)
     plan = Table("planner", f"AutoPlanner for the same model on an abstract {MESH} mesh (dp x tp roles, "
                             f"GPU-cluster cost model, 80 GiB budget)",
                  [Column("who", "who"), Column("seconds", "planning s", ".2f"), Column("rss", "max RSS MiB", ".0f"),
                   Column("chosen", "chosen")],
                  [{"who": "shardwise AutoPlanner", "seconds": planned["seconds"], "rss": planned["max_rss_mib"],
                    "chosen": f"{planned['chosen']} of {planned['candidates']} candidates"},
+                  {"who": "shardwise layout solver (MILP, tp dim)", "seconds": solved["seconds"],
+                   "rss": solved["max_rss_mib"],
+                   "chosen": f"{solved['variables']} variables, solved in {solved['solve_seconds']:.2f} s"
+                             f"{'' if solved['optimal'] else ' (time limit)'}: " + _cuts(solved["cuts"])},
                   {"who": "autoparallel (published, 64 GPUs)", "seconds": 51.6, "rss": None,
                    "chosen": "ILP build 15.1 s + solve 36.5 s (autoparallel#438)"}])
     plan.notes.append(f"shardwise / autoparallel planning time: {planned['seconds'] / 51.6:.2f}x (bar: < 10 s); "
                       "autoparallel needs PyTorch nightly, so its figure is the published one, not run here")
     return [table, plan]
+
+
+def _cuts(cuts: dict[str, str]) -> str:
+    """The solver's layouts of the weights, grouped: `q_proj,k_proj (S(0)); o_proj (S(1))`."""
+    by: dict[str, list[str]] = {}
+    for name, lay in cuts.items():
+        by.setdefault(lay, []).append(name)
+    return "; ".join(f"{','.join(names)} {lay}" for lay, names in by.items())
 
 
 if __name__ == "__main__":
