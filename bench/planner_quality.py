@@ -1,6 +1,7 @@
 """Planner quality: the AutoPlanner's choice against the Megatron hand plan and pure data parallel, measured.
 
-On 4 gloo ranks, a (4,) mesh: the cost model is calibrated on the real groups
+Two tables: the demo CharGPT, and an unchanged HF Llama (GQA) of the same size. On 4 gloo
+ranks, a (4,) mesh: the cost model is calibrated on the real groups
 (`CostModel.calibrate`), the planner chooses a role for the mesh dim by dry runs of the demo
 CharGPT's training step, and then three copies of one seeded model train side by side,
 interleaved: the planner's choice applied (`planner.apply`), the Megatron plan
@@ -25,20 +26,33 @@ __all__ = ["body", "run"]
 CHOICES = {"megatron": ("tp",), "data parallel": ("dp",)}
 
 
-def body(settings: Settings) -> dict[str, Any]:
+def _model(which: str, settings: Settings) -> tuple[Any, Any]:
+    """(the model, logits of its output): the demo CharGPT, or an HF Llama of the same size."""
+    vocab, d_model, heads, seq, layers, batch = settings.gpt
+    torch.manual_seed(0)
+    if which == "gpt":
+        from shardwise._demo.model import CharGPT, CharGPTConfig
+
+        return CharGPT(CharGPTConfig(vocab=vocab, d_model=d_model, heads=heads, seq=seq, layers=layers)), lambda o: o
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=d_model, intermediate_size=4 * d_model, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=seq)
+    return LlamaForCausalLM(config), lambda o: o.logits
+
+
+def body(settings: Settings, which: str = "gpt") -> dict[str, Any]:
     import torch.distributed as dist
 
     import shardwise as sw
-    from shardwise._demo.model import CharGPT, CharGPTConfig, loss_fn
+    from shardwise._demo.model import loss_fn
     from shardwise.parallel import MegatronPlanner, data_parallel, loss_parallel, shard_module
     from shardwise.planner import AutoPlanner, CostModel
 
     vocab, d_model, heads, seq, layers, batch = settings.gpt
     mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
-    rank = mesh.get_local_rank(0)
     cost = CostModel.calibrate(mesh)
-    torch.manual_seed(0)
-    base = CharGPT(CharGPTConfig(vocab=vocab, d_model=d_model, heads=heads, seq=seq, layers=layers))
+    base, logits_of = _model(which, settings)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
     planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(x,), cost=cost)
@@ -50,16 +64,16 @@ def body(settings: Settings) -> dict[str, Any]:
               "data parallel": data_parallel(copy.deepcopy(base), mesh)}
     roles = {"auto": planner.report.chosen.roles, **CHOICES}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
-    share = slice(rank * batch // 4, (rank + 1) * batch // 4)
+    inputs = {"auto": (planner.local_inputs((x,), mesh)[0], planner.local_inputs((y,), mesh)[0]),
+              "megatron": (x, y), "data parallel": (x.chunk(4)[mesh.get_local_rank(0)], y.chunk(4)[mesh.get_local_rank(0)])}
 
     def stepper(name: str) -> Any:
-        model, opt, tp = models[name], opts[name], roles[name] == ("tp",)
-        xs, ys = (x, y) if tp else (x[share], y[share])
+        model, opt, (xs, ys) = models[name], opts[name], inputs[name]
 
         def step() -> None:
             opt.zero_grad()
             with loss_parallel():
-                loss_fn(model(xs), ys).backward()
+                loss_fn(logits_of(model(xs)), ys).backward()
             opt.step()
         return step
 
@@ -70,10 +84,14 @@ def body(settings: Settings) -> dict[str, Any]:
 
 
 def run(settings: Settings) -> list[Table]:
+    return [_table(settings, which) for which in ("gpt", "llama")]
+
+
+def _table(settings: Settings, which: str) -> Table:
     from shardwise.testing import run_distributed
 
     vocab, d_model, heads, seq, layers, batch = settings.gpt
-    per_rank = run_distributed(body, 4, settings, timeout=settings.timeout)
+    per_rank = run_distributed(body, 4, settings, which, timeout=settings.timeout)
     rows = []
     for name in ("auto", "megatron", "data parallel"):
         ms = per_repeat_max_median([r["samples"][name] for r in per_rank])
@@ -81,11 +99,13 @@ def run(settings: Settings) -> list[Table]:
         rows.append({"plan": name if name != "auto" else f"AutoPlanner ({', '.join(per_rank[0]['chosen'])})",
                      "measured_ms": None if ms is None else ms * 1e3,
                      "modelled_ms": None if modelled is None else modelled * 1e3})
-    table = Table("planner_quality", f"planned vs hand plan, demo GPT {layers} blocks d={d_model} seq={seq} "
-                                     f"vocab={vocab} batch {batch} on (4,): ms per training step",
+    model = "demo GPT" if which == "gpt" else "HF Llama (GQA)"
+    table = Table("planner_quality" if which == "gpt" else "planner_quality_llama",
+                  f"planned vs hand plan, {model} {layers} blocks d={d_model} seq={seq} vocab={vocab} batch {batch} "
+                  f"on (4,): ms per training step",
                   [Column("plan", "plan"), Column("measured_ms", "measured ms", ".2f"),
                    Column("modelled_ms", "modelled ms", ".2f")], rows)
     over = ratio(rows[0]["measured_ms"], rows[1]["measured_ms"])
     table.notes.append(f"AutoPlanner / Megatron measured: {'-' if over is None else f'{over:.2f}x'} (bar: <= 1.05x); "
                        "the cost model calibrated on these ranks models FLOPs and collectives, not per-op overhead")
-    return [table]
+    return table

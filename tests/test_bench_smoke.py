@@ -45,7 +45,8 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "checkpoint",
-                                         "collective_bookkeeping", "cross_mesh", "dry_run", "planner", "planner_quality"}
+                                         "collective_bookkeeping", "cross_mesh", "dry_run", "planner", "planner_quality",
+                                         "planner_quality_llama"}
 
 
 def test_every_overhead_row_is_there_for_both_libraries(quick_run: Any) -> None:
