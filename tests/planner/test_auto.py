@@ -145,5 +145,7 @@ def test_bad_arguments_are_refused() -> None:
         planner.compare(_mlp(8, 8), {"x": ("pp",)})
     with pytest.raises(ValueError, match=r"6 rows does not split evenly over 4"):
         planner.compare(_mlp(8, 8), {"x": ("dp",)})
+    with pytest.raises(ValueError, match=r"time_limit is the layout solver's seconds, a positive number, got 0"):
+        AutoPlanner(sw.AbstractMesh((4,)), example_inputs=(torch.randn(8, 8),), time_limit=0)
     with pytest.raises(ValueError, match=r"rates must be positive"):
         CostModel(default_bandwidth=0)

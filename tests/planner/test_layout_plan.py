@@ -18,7 +18,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.parallel import shard_module
-from shardwise.planner import CostModel
+from shardwise._layout import Layout
+from shardwise.planner import AutoPlanner, CostModel
 from shardwise.planner import _layout_plan
 from shardwise.planner._layout_plan import plan_layouts
 from shardwise.planner._trace import trace_step
@@ -65,6 +66,16 @@ def test_repeated_blocks_solve_like_the_whole_model(batch: int, monkeypatch: pyt
     for name, lay in whole.parameters.items():
         if name.startswith("blocks.1."):  # an inner block: the clustered plan's layout
             assert clustered.parameters["blocks.*." + name[len("blocks.1."):]] == lay
+
+
+def test_a_batch_that_does_not_split_evenly_stays_whole() -> None:
+    # 4096 rows over 4 would be data parallel (the test above); 4098 rows cannot be each rank's
+    # equal share, so the input is never split and the plan still measures
+    planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(4098, 32),), cost=SLOW_LINKS,
+                          loss_fn=_square)
+    planner.build_plan(nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32)))
+    assert planner.layouts is not None and planner.layouts.inputs[0] != Layout((sw.Shard(0),))
+    assert planner.report is not None and ("auto",) in {c.roles for c in planner.report.candidates}
 
 
 def _llama_loss(out: Any) -> torch.Tensor:

@@ -14,13 +14,17 @@ Repeated layers are clustered: a model whose largest list of identical blocks ha
 dry-runs with 1 block and with 2, and each cost grows by their difference L - 2 more times,
 so a 32-layer model plans about as fast as a 2-layer one.
 
-The plan is an ordinary `ShardingPlan` (the tp styles, empty when no dim is tp); the roles
-are in `planner.report`; `planner.apply(model, mesh)` does both on a real mesh.
+On a 1-D mesh one more candidate, "auto", is the layout solver's plan (`_layout_plan`: a
+layout per parameter and input chosen from every op's strategies by an integer program),
+measured by the same dry run; `planner.layouts` holds it.
+
+The plan is an ordinary `ShardingPlan` (the tp styles, empty when no dim is tp; the solver's
+layouts for "auto"); the roles are in `planner.report`; `planner.apply(model, mesh)` does
+both on a real mesh, and `planner.local_inputs(batch, mesh)` gives each rank its share.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,7 +45,6 @@ from ._model import default_loss, meta_copy, repeated, steady
 __all__ = ["AutoPlanReport", "AutoPlanner", "Candidate"]
 
 Roles = tuple[str, ...]
-Blocks = Any  # an nn.ModuleList or nn.Sequential
 ROLES = ("dp", "zero", "tp", "auto")
 
 
@@ -121,7 +124,9 @@ class AutoPlanner(ShardingPlanner):
         self.loss_fn = loss_fn if loss_fn is not None else default_loss
         self.optimizer = optimizer
         self.tp_planner = tp_planner if tp_planner is not None else MegatronPlanner()
-        self.time_limit = time_limit
+        if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0:
+            raise ValueError(f"time_limit is the layout solver's seconds, a positive number, got {time_limit!r}")
+        self.time_limit = float(time_limit)
         self.layouts: Optional[LayoutPlan] = None
         self.report: Optional[AutoPlanReport] = None
 

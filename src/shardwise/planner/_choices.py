@@ -40,6 +40,7 @@ from ._trace import Graph, Node, Ref
 
 __all__ = ["VIEWS", "Choice", "Problem", "enumerate_choices"]
 
+
 @dataclass(frozen=True)
 class Choice:
     """One way to run a node: its outputs' layouts, the layout each DTensor input must have
@@ -97,12 +98,15 @@ def _fraction(layout: Optional[Layout], mesh: AbstractMesh) -> float:
     return f
 
 
-def _source_layouts(meta: TensorMeta, mesh: AbstractMesh) -> list[Layout]:
+def _source_layouts(meta: TensorMeta, mesh: AbstractMesh, even: bool) -> list[Layout]:
     """Replicated, or one tensor dim split per mesh dim (each tensor dim by at most one mesh
-    dim, at least as long as the mesh dim is wide)."""
+    dim, at least as long as the mesh dim is wide; `even`: only dims that split evenly, as a
+    model input's rows must, each rank loading its own share)."""
     per_dim: list[list[Placement]] = []
     for d in range(mesh.ndim):
-        per_dim.append([Replicate()] + [Shard(t) for t, size in enumerate(meta.shape) if size >= mesh.shape[d]])
+        n = mesh.shape[d]
+        per_dim.append([Replicate()] + [Shard(t) for t, size in enumerate(meta.shape)
+                                        if size >= n and not (even and size % n)])
     out = []
     for combo in itertools.product(*per_dim):
         dims = [p.dim for p in combo if isinstance(p, Shard)]
@@ -234,7 +238,8 @@ def enumerate_choices(graph: Graph, mesh: AbstractMesh, cost: CostModel, same: O
             problem.reads.append([])
             meta = node.outs[0]
             assert meta is not None
-            lays = _source_layouts(meta, mesh) if node.kind in ("param", "input") else [Layout((Replicate(),) * mesh.ndim)]
+            lays = _source_layouts(meta, mesh, node.kind == "input") if node.kind in ("param", "input") \
+                else [Layout((Replicate(),) * mesh.ndim)]
             problem.choices.append([Choice((lay,), ()) for lay in lays])
         twin = (same or {}).get(node.index)
         if twin is not None and twin < node.index:

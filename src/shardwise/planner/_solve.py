@@ -115,7 +115,10 @@ def solve(problem: Problem, *, group: Sequence[int], node_weight: Sequence[float
             else:
                 cost[col[g] + j] += seconds
         elif math.isinf(seconds):
-            raise ValueError(f"node {n} ({graph.nodes[n].op}) has no allowed layout")
+            node = graph.nodes[n]
+            raise ValueError(f"the layout solver found no allowed layout for {node.op or node.name} (op {n} of the "
+                             f"traced step, in module {node.path or 'root'!r}): its only choice needs a move no "
+                             f"collective makes; report it with the model")
         else:
             const += seconds
 
@@ -133,7 +136,7 @@ def solve(problem: Problem, *, group: Sequence[int], node_weight: Sequence[float
             mem_const += node_weight[n] * memory[n][0]
 
     edges = [(ref, c, k) for c in range(len(graph.nodes)) for k, ref in enumerate(problem.reads[c])]
-    pairs: dict[Any, list[Any]] = {}  # merged edges between two variable groups, same matrix
+    pairs: dict[Any, float] = {}  # merged edges between two variable groups, same matrix -> weight
     for ref, c, k in edges:
         w = edge_weight(ref.node, c)
         have = [ch.outs[ref.out] for ch in choices[ref.node]]
@@ -148,8 +151,7 @@ def solve(problem: Problem, *, group: Sequence[int], node_weight: Sequence[float
 
     for g, first in col.items():
         row([(first + j, 1.0) for j in range(len(choices[g]))], 1.0, 1.0)
-    for (a, b, matrix), w in ((k, v[0]) for k, v in pairs.items()):
-        first = len(cost)
+    for (a, b, matrix), w in pairs.items():
         index = {}
         for j, line in enumerate(matrix):
             for i, s in enumerate(line):
@@ -161,7 +163,6 @@ def solve(problem: Problem, *, group: Sequence[int], node_weight: Sequence[float
             row([(index[j, i], 1.0) for i in range(len(matrix[0])) if (j, i) in index] + [(col[a] + j, -1.0)], 0.0, 0.0)
         for i in range(len(matrix[0])):
             row([(index[j, i], 1.0) for j in range(len(matrix)) if (j, i) in index] + [(col[b] + i, -1.0)], 0.0, 0.0)
-        del first
     if memory_budget is not None:
         row(mem_entries, -np.inf, memory_budget - mem_const)
     n_var = len(cost)
@@ -172,9 +173,12 @@ def solve(problem: Problem, *, group: Sequence[int], node_weight: Sequence[float
                   constraints=[LinearConstraint(a, np.array(lo), np.array(hi))],
                   options={"time_limit": time_limit, "disp": False})
     if result.x is None:
-        if memory_budget is not None:
+        if result.status == 2 and memory_budget is not None:  # infeasible: only the budget can make it so
             raise MemoryBudgetError(f"no layout fits memory_budget={memory_budget:.0f} B per rank (the solver: "
                                     f"{result.message}): raise the budget or use a bigger mesh")
+        if result.status == 1:
+            raise ValueError(f"the layout solver found no plan within time_limit={time_limit} s ({n_var} variables): "
+                             f"give a larger time_limit")
         raise ValueError(f"the layout solver found no plan: {result.message}")
     x = result.x
     chosen = []
@@ -187,7 +191,7 @@ def solve(problem: Problem, *, group: Sequence[int], node_weight: Sequence[float
 
 
 def _edge(a: int, b: int, p: int, c: int, matrix: tuple[tuple[float, ...], ...], w: float,
-          col: dict[int, int], add: Callable[[int, int, float], None], pairs: dict[Any, list[Any]]) -> None:
+          col: dict[int, int], add: Callable[[int, int, float], None], pairs: dict[Any, float]) -> None:
     if a not in col and b not in col:
         add(p, 0, w * matrix[0][0])
     elif a not in col:
@@ -201,4 +205,4 @@ def _edge(a: int, b: int, p: int, c: int, matrix: tuple[tuple[float, ...], ...],
             add(p, j, w * matrix[j][j])
     else:
         key = (a, b, matrix)
-        pairs.setdefault(key, [0.0])[0] += w
+        pairs[key] = pairs.get(key, 0.0) + w

@@ -52,14 +52,9 @@ class Node:
     plain: bool = False  # made from constants only: a plain tensor at run time, not a DTensor
 
     def refs(self) -> list[Ref]:
-        """The values this node reads, in the order the op's schema lists its DTensor inputs."""
-        leaves = pytree.tree_leaves((self.args, [v for _, v in sorted(self.kwargs.items(), key=_kw_order(self))]))
-        return [a for a in leaves if isinstance(a, Ref)]
-
-
-def _kw_order(node: Node) -> Callable[[tuple[str, Any]], int]:
-    names = [a.name for a in node.op._schema.arguments] if node.kind == "op" else []
-    return lambda kv: names.index(kv[0]) if kv[0] in names else len(names)
+        """The values this node reads: positional arguments, then keywords in the order the call
+        gave them (the order an `OpSchema` of the call lists its DTensor inputs in)."""
+        return [a for a in pytree.tree_leaves((self.args, list(self.kwargs.values()))) if isinstance(a, Ref)]
 
 
 @dataclass
