@@ -22,6 +22,7 @@ from .._placement import Partial, Replicate
 from .._spec import DTensorSpec
 from ._async import adopt, redistribute_async, resolve
 from ._cross import move_local
+from ._plans import misplaced, restride
 from ._redistribute import redistribute_local
 from ._wrap import DTensorBase, wrap
 
@@ -97,7 +98,10 @@ class ToLocal(torch.autograd.Function):
             # replication): its gradient is a DTensor whose full value is this rank's piece's
             whole = grad._spec.with_placements((Replicate(),) * grad._spec.mesh.ndim)
             grad = redistribute_local(resolve(grad._local_tensor), grad._spec, whole)
-        return wrap(grad, ctx.grad_spec), None
+        out = wrap(grad, ctx.grad_spec)
+        if misplaced(out)[0]:  # the local gradient came out in another memory order than the global one's
+            restride(out)
+        return out, None
 
 
 class FromLocal(torch.autograd.Function):

@@ -304,8 +304,8 @@ def _outside_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule
 
 
 def _by_mesh(func: Any, args: tuple[Any, ...]) -> Optional[ByMeshPlan]:
-    """For a `_foreach_*` / `_fused_*` call whose list elements sit on more than one mesh, the
-    plan that runs it once per mesh; None for any other call."""
+    """For a `_foreach_*` / `_fused_*` call whose list elements sit on more than one mesh, or
+    on none (plain tensors), the plan that runs it once per mesh; None for any other call."""
     name = func._schema.name
     if not (name.startswith("aten::_foreach_") or name.startswith("aten::_fused_")):
         return None
@@ -317,9 +317,10 @@ def _by_mesh(func: Any, args: tuple[Any, ...]) -> Optional[ByMeshPlan]:
     for k in range(n):
         mesh = next((a[k]._spec.mesh for a in lists if len(a) == n and isinstance(a[k], DTensorBase)), None)
         groups.setdefault(mesh, []).append(k)
-    if len(groups) < 2:
+    if len(groups) < 2 and None not in groups:
         return None
-    return ByMeshPlan(dispatch, func, tuple(tuple(g) for g in groups.values()), n)
+    plain = list(groups).index(None) if None in groups else None
+    return ByMeshPlan(dispatch, func, tuple(tuple(g) for g in groups.values()), n, plain)
 
 
 def _translated(a: Any, read: Any) -> Any:

@@ -29,11 +29,12 @@ from .._mesh import DeviceMesh
 from .._mesh_dry import DryMesh
 from ._wrap import DTensorBase
 
-__all__ = ["check_plain"]
+__all__ = ["FINGERPRINT_WIDTH", "check_plain", "fingerprint", "same_fingerprint"]
 
 _CHECKED: set[tuple[Any, ...]] = set()
 _MAX_DIMS = 8
 _WIDTH = 1 + _MAX_DIMS + 3  # ndim, shape padded, three sums as float64 bits
+FINGERPRINT_WIDTH = _WIDTH
 _RELATIVE = 1e-6  # sums this close count as equal (a non-deterministic kernel, not another piece)
 
 
@@ -47,7 +48,8 @@ def _walk(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]
     return found
 
 
-def _fingerprint(t: torch.Tensor) -> list[int]:
+def fingerprint(t: torch.Tensor) -> list[int]:
+    """`t`'s shape and three sums (float64 bits): equal on two ranks when their tensors are."""
     if t.ndim > _MAX_DIMS or t.is_meta or t.device.type == "meta":
         return [-1] * _WIDTH
     x = t.detach()
@@ -64,7 +66,8 @@ def _sums(row: list[int]) -> list[float]:
     return [struct.unpack("<d", struct.pack("<q", b))[0] for b in row[1 + _MAX_DIMS:]]
 
 
-def _same(a: list[int], b: list[int]) -> bool:
+def same_fingerprint(a: list[int], b: list[int]) -> bool:
+    """Whether two fingerprints are of one tensor (sums within a relative 1e-6: kernels may not be deterministic)."""
     if a[: 1 + _MAX_DIMS] != b[: 1 + _MAX_DIMS]:
         return False
     if a == b:
@@ -74,11 +77,25 @@ def _same(a: list[int], b: list[int]) -> bool:
     return all(abs(x - y) <= _RELATIVE * scale for x, y in zip(sa, sb))
 
 
+def _plain_elements(func: Any, args: tuple[Any, ...]) -> frozenset[str]:
+    """For a `_foreach_*` / `_fused_*` call, the list indices ("k]") whose elements are plain in
+    every list: they run as the plain op (`ByMeshPlan`) and never meet a DTensor."""
+    name = func._schema.name
+    if not (name.startswith("aten::_foreach_") or name.startswith("aten::_fused_")):
+        return frozenset()
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    n = len(lists[0]) if lists else 0
+    full = [a for a in lists if len(a) == n]
+    return frozenset(f"{k}]" for k in range(n) if not any(isinstance(a[k], DTensorBase) for a in full))
+
+
 def check_plain(func: Any, modes: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise on every rank when a plain tensor meeting DTensors at this op differs between ranks
     (checked once per site; see the module docstring)."""
     found = _walk(args, kwargs)
-    plain = [(where, t) for where, t in found if not isinstance(t, DTensorBase) and t.ndim > 0]
+    alone = _plain_elements(func, args)
+    plain = [(where, t) for where, t in found
+             if not isinstance(t, DTensorBase) and t.ndim > 0 and where.rpartition("[")[2] not in alone]
     if not plain:
         return
     mesh: Optional[Any] = next((t._spec.mesh for _, t in found if isinstance(t, DTensorBase)), None)
@@ -91,13 +108,13 @@ def check_plain(func: Any, modes: Any, args: tuple[Any, ...], kwargs: dict[str, 
             (mesh.get_rank(), comm.dry_run_number()) if dry else None)  # once per simulated rank and dry run
     if site in _CHECKED:
         return
-    mine = [v for _, t in plain for v in _fingerprint(t)]
+    mine = [v for _, t in plain for v in fingerprint(t)]
     rows = comm.gather_over_mesh(mine, mesh.get_all_groups(), mesh.shape)
     _CHECKED.add(site)
     ranks = mesh.mesh.flatten().tolist()
     for k, (where, t) in enumerate(plain):
         pieces = [row[k * _WIDTH : (k + 1) * _WIDTH] for row in rows]
-        odd = [r for r, p in zip(ranks, pieces) if not _same(p, pieces[0])]
+        odd = [r for r, p in zip(ranks, pieces) if not same_fingerprint(p, pieces[0])]
         if odd:
             shapes = sorted({tuple(p[1 : 1 + p[0]]) for p in pieces if p[0] >= 0})
             what = "shapes" if len(shapes) > 1 else "values"

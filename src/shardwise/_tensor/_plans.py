@@ -271,29 +271,49 @@ def _wrap_outputs(out: Any, spec: Any) -> Any:
 @dataclass(frozen=True, slots=True)
 class ByMeshPlan:
     """A `_foreach_*` / `_fused_*` call whose list elements live on different meshes (a
-    gradient-norm clip over a pipeline stage's TP and DP parameters): element k touches only the
-    k-th tensor of each list, so the call runs once per mesh, on that mesh's elements, and the
-    results go back in the caller's order."""
+    gradient-norm clip over a pipeline stage's TP and DP parameters), or some on none (the
+    plain parameters a torch-style plan leaves beside its DTensors): element k touches only
+    the k-th tensor of each list, so the call runs once per mesh, on that mesh's elements,
+    the plain elements run as the plain op (a DTensor beside them, such as a clip
+    coefficient, taken whole), and the results go back in the caller's order."""
 
     dispatch: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
     func: Any
     groups: tuple[tuple[int, ...], ...]  # element indices per mesh, in first-seen order
     length: int  # elements per list
+    plain: Optional[int] = None  # the group of plain elements, if any
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         results: list[Any] = [None] * self.length
         returned = False
-        for indices in self.groups:
+        for g, indices in enumerate(self.groups):
             def take(a: Any) -> Any:
                 if isinstance(a, (list, tuple)) and len(a) == self.length:
                     return [a[k] for k in indices]
                 return a
-            out = self.dispatch(self.func, tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()})
+            some, named = tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
+            if g == self.plain:
+                out = self.func(*_whole(some), **_whole(named))
+            else:
+                out = self.dispatch(self.func, some, named)
             if isinstance(out, (list, tuple)) and len(out) == len(indices):
                 returned = True
                 for k, o in zip(indices, out):
                     results[k] = o
         return results if returned else None
+
+
+def _whole(a: Any) -> Any:
+    """`a` with every DTensor in it as its whole value (a replicated one's piece, as is)."""
+    if isinstance(a, DTensorBase):
+        if all(p.is_replicate() for p in a._spec.placements):
+            return a._local_tensor
+        return a.full_tensor()  # type: ignore[attr-defined]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_whole(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _whole(v) for k, v in a.items()}
+    return a
 
 
 def empty_piece(meta: TensorMeta, device: Any) -> torch.Tensor:
