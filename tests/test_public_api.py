@@ -61,7 +61,8 @@ def test_public_surface_is_pinned() -> None:
 PARALLEL = [
     "ColwiseParallel", "Coverage", "ExpertParallel", "FusedColwiseParallel", "MegatronPlanner", "ParallelStyle",
     "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
-    "RowwiseParallel", "SequenceParallel", "Sharder", "ShardingPlan", "ShardingPlanner", "coverage", "data_parallel",
+    "ReplicateParallel", "RowwiseParallel", "SequenceParallel", "Sharder", "ShardingPlan", "ShardingPlanner", "coverage",
+    "data_parallel",
     "distribute_module", "global_mean", "loss_parallel", "memory_report", "no_sync", "parallelize_module", "shard_module",
 ]
 

@@ -183,6 +183,11 @@ def test_megatron_planner_trains_an_unchanged_hf_model_like_one_process(which: s
         # one element of layer 0's v projection has a gradient near AdamW's eps (1e-8): the
         # float32 rounding of a different summation order moves its step by ~1.4e-5
         param_tol = 3e-5
+    if which.startswith("t5") and dtype == torch.float32:
+        # one element of the decoder's second key projection has a gradient of 2.5e-8 (AdamW's eps is
+        # 1e-8), below float32's rounding of its neighbours' sums: its five steps differ by ~1.5e-5
+        # (float64: 1e-14)
+        param_tol = 3e-5
     assert loss <= loss_tol and param <= param_tol, (which, loss, param)
 
 

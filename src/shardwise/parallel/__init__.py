@@ -14,10 +14,12 @@ from ._loss import *  # noqa: F401,F403
 from ._megatron import *  # noqa: F401,F403
 from ._parallelize import *  # noqa: F401,F403
 from ._plan import *  # noqa: F401,F403
+from ._prepare import *  # noqa: F401,F403
+from ._replicate import *  # noqa: F401,F403
 from ._style import *  # noqa: F401,F403
-from . import _coverage, _data_parallel, _distribute, _experts, _loss, _megatron, _parallelize, _plan, _style
+from . import _coverage, _data_parallel, _distribute, _experts, _loss, _megatron, _parallelize, _plan, _prepare, _replicate, _style
 
 __all__ = sorted(
     _coverage.__all__ + _data_parallel.__all__ + _distribute.__all__ + _experts.__all__ + _loss.__all__ + _megatron.__all__ + _parallelize.__all__
-    + _plan.__all__ + _style.__all__
+    + _plan.__all__ + _prepare.__all__ + _replicate.__all__ + _style.__all__
 )

@@ -32,6 +32,7 @@ from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate, Shard
 from .._tensor import DTensor
 from ._distribute import place_parameter
+from ._local_params import local_parameters
 from ._style import ParallelStyle
 
 __all__ = ["ExpertParallel"]
@@ -96,18 +97,14 @@ class ExpertParallel(ParallelStyle):
             local_index = torch.where(here, index - first, torch.full_like(index, stop - first))
             if isinstance(weights, torch.Tensor):  # routes to other ranks' experts weigh nothing here
                 weights = torch.where(here, weights, torch.zeros_like(weights))
-            saved = {name: module._parameters[name] for name in names}
             split = getattr(module, "_is_expert_parallel", None)
             try:
-                for name, param in saved.items():
-                    assert isinstance(param, DTensor)
-                    module._parameters[name] = param.to_local()
                 setattr(module, "num_experts", stop - first)
                 if split is not None:  # HF's kernels mask the "not here" routes only when told
                     setattr(module, "_is_expert_parallel", True)
-                out = forward(tokens, local_index, weights, **kwargs)
+                with local_parameters(module, names):  # each rank's whole experts
+                    out = forward(tokens, local_index, weights, **kwargs)
             finally:
-                module._parameters.update(saved)
                 setattr(module, "num_experts", total)
                 if split is not None:
                     setattr(module, "_is_expert_parallel", split)
@@ -140,8 +137,6 @@ def _summed_back(x: Any, mesh: DeviceMesh) -> Any:
     summed over the mesh on its way back."""
     if not isinstance(x, torch.Tensor):
         return x
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
-    else:
-        x = x.redistribute(placements=(Replicate(),))
-    return x.to_local(grad_placements=(Partial(),))
+    if isinstance(x, DTensor):
+        x = x.redistribute(placements=(Replicate(),)).to_local()
+    return DTensor.from_local(x, mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))

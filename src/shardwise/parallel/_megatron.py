@@ -43,6 +43,7 @@ from .._placement import Replicate, Shard
 from ._coverage import coverage
 from ._experts import ExpertParallel, expert_parameters
 from ._plan import Sharder, ShardingPlan, ShardingPlanner
+from ._fused import fused_parts
 from ._style import ColwiseParallel, FusedColwiseParallel, RowwiseParallel, module_kind
 
 __all__ = ["MegatronPlanner"]
@@ -72,13 +73,11 @@ def _features(module: nn.Module) -> Optional[tuple[int, int]]:
     return None
 
 
-# fused projections the model splits into equal parts after the layer: (name, parts)
-_FUSED = {"c_attn": 3, "qkv": 3, "qkv_proj": 3, "Wqkv": 3, "gate_up_proj": 2}
 
 
 def _fused(name: str, module: nn.Module) -> Optional[FusedColwiseParallel]:
     """The style of a fused q|k|v (out = 3 x in) or gate|up layer, split part by part."""
-    parts = _FUSED.get(name)
+    parts = fused_parts(name)
     features = _features(module)
     if parts is None or features is None:
         return None

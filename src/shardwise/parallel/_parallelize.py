@@ -29,6 +29,7 @@ from .._mesh import DeviceMesh, get_current_mesh
 from .._mesh_dry import as_device_mesh
 from .._tensor import DTensor
 from ._distribute import Ties, distribute_module, place_parameter
+from ._grad_check import PlainGradientCheck
 from ._plan import PlanEntry, Sharder, ShardingPlan, ShardingPlanner, resolve, to_layout
 from ._style import ParallelStyle
 
@@ -91,6 +92,8 @@ def shard_module(
         ties.retie()
     if replicate_rest:
         distribute_module(module, mesh)
+    elif resolved.sharders:  # plain parameters beside parallel layers: checked at the first backward
+        PlainGradientCheck.install(module, mesh)
 
     for path, layout in resolved.outputs:
         module.get_submodule(path).register_forward_hook(_output_layout_hook(path, layout, mesh))

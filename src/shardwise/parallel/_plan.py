@@ -88,6 +88,10 @@ class Sharder(abc.ABC):
         """
         return []
 
+    def validate_at(self, path: str, module: nn.Module, device_mesh: AbstractMesh) -> list[str]:
+        """`validate` for the module at `path` in the model being sharded (a style may read its name). Pure."""
+        return self.validate(module, device_mesh)
+
     def param_layouts(self, module: nn.Module, device_mesh: AbstractMesh) -> Mapping[str, tuple[Placement, ...]]:
         """The placements `shard` will give `module`'s parameters, by name relative to `module`, when
         known in advance; the plan checks them (tensor dims in range, no empty pieces, tied weights agree)."""
@@ -302,7 +306,7 @@ def resolve(plan: ShardingPlan, module: nn.Module, mesh: AbstractMesh) -> Resolv
                                           "to a module, so name the module or give the parameter a layout", module))
             for path in hits:
                 sub, where = modules[path], path or "<root>"
-                found = value.validate(sub, mesh)
+                found = value.validate_at(path, sub, mesh)
                 problems.extend(f"{where}: {msg}" for msg in found)
                 if not found:
                     owned = dict(sub.named_parameters(remove_duplicate=False))

@@ -1,0 +1,78 @@
+"""`ReplicateParallel`: a module replicated on every rank that runs on this rank's share of the activations.
+
+Between a column-parallel and a row-parallel layer each rank holds its own heads (or its own
+columns). A module there with parameters of its own, such as Qwen3's `q_norm` / `k_norm`
+(an RMSNorm over each head's vector, one weight shared by every head), computes the same way
+on every rank, with the same weights, on different heads: its forward needs no
+communication, but each rank's gradient of those weights covers only its heads, and the
+whole gradient is their sum. Left plain, each rank would step its weights with its own
+partial sum and the copies would drift apart, silently (the same happens under torch).
+
+Under `ReplicateParallel` the module's parameters are replicated DTensors; given plain
+(local) inputs, its own forward runs on their local pieces, whose gradients flow back as
+`Partial` terms and are summed over the mesh once, at the end of backward, with the other
+gradients (`_tensor._grad_reduce`). Given DTensor inputs it runs on DTensors, and their
+layouts say what to reduce. transformers calls this style "replicated_with_grad_allreduce";
+torchtitan writes `SequenceParallel(sequence_dim=2)` for the same modules, which needs the
+split dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+from .._mesh import AbstractMesh, DeviceMesh
+from .._placement import Partial, Placement, Replicate
+from .._tensor import DTensor
+from ._distribute import place_parameter
+from ._local_params import local_parameters
+from ._style import ParallelStyle
+
+__all__ = ["ReplicateParallel"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters; run it on local inputs; sum their gradients over the mesh.
+
+    >>> ReplicateParallel()
+    ReplicateParallel(src_data_rank=0)
+    """
+
+    src_data_rank: Optional[int] = 0
+
+    def validate(self, module: nn.Module, device_mesh: AbstractMesh) -> list[str]:
+        problems = super().validate(module, device_mesh)
+        if not any(True for _ in module.parameters()):
+            problems.append(f"ReplicateParallel replicates a module's parameters; {type(module).__name__} has none")
+        return problems
+
+    def param_layouts(self, module: nn.Module, device_mesh: AbstractMesh) -> Mapping[str, tuple[Placement, ...]]:
+        return {name: (Replicate(),) for name, _ in module.named_parameters()}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        owners: list[tuple[nn.Module, list[str]]] = []
+        for path, sub in module.named_modules():
+            names = [k for k, p in sub._parameters.items() if p is not None]
+            for k in names:
+                place_parameter(sub, k, (Replicate(),), device_mesh, src_data_rank=self.src_data_rank,
+                                where=f"{type(module).__name__}{'.' + path if path else ''}.{k}")
+            if names:
+                owners.append((sub, names))
+        forward = module.forward
+
+        def replicated_forward(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, DTensor) for a in (*args, *kwargs.values())):
+                return forward(*args, **kwargs)  # DTensors: their layouts say what to reduce
+            with contextlib.ExitStack() as stack:
+                for sub, names in owners:  # each rank's gradient is a term of the whole one
+                    stack.enter_context(local_parameters(sub, names, grad_placements=(Partial(),)))
+                return forward(*args, **kwargs)
+
+        module.forward = replicated_forward
+        return module
