@@ -98,7 +98,7 @@ def _writeback_cost(schema: OpSchema, rule: OpRule, candidate: PlacementStrategy
     return plan.cost + 1e-3  # a write-back is a copy even when it moves no bytes
 
 
-def _pick(schema: OpSchema, rule: OpRule, strategy: OpStrategy, specs: list[DTensorSpec]) -> PlacementStrategy:
+def _pick(schema: OpSchema, rule: OpRule, strategy: OpStrategy, specs: list[DTensorSpec], out_meta: Any) -> PlacementStrategy:
     best: Optional[tuple[float, int, int, int, PlacementStrategy]] = None
     for candidate in strategy.strategies:
         if len(candidate.input_specs) != len(specs):
@@ -117,7 +117,7 @@ def _pick(schema: OpSchema, rule: OpRule, strategy: OpStrategy, specs: list[DTen
         # re-laid out (keep what the inputs have: chunking a replicated bias gradient to sum
         # it saves memory now and costs a gather in every optimizer op after), then less memory
         moved = sum(_target(s, lay) is not None for s, lay in zip(specs, candidate.input_specs))
-        key = (round(cost, 6), _pending(candidate), moved, _memory(candidate, specs, schema.output_meta()), candidate)
+        key = (round(cost, 6), _pending(candidate), moved, _memory(candidate, specs, out_meta), candidate)
         if best is None or key[:4] < best[:4]:
             best = key
     if best is None:
@@ -155,18 +155,19 @@ def _choose(schema: OpSchema, rule: OpRule, strategy: StrategyType) -> OutputSha
             )
     out_meta = schema.output_meta()
     if isinstance(strategy, TupleStrategy):
-        chosen = [_pick(schema, rule, child, specs) for child in strategy.childs]
+        metas = _as_tuple(out_meta)  # child k makes output k (an in-place call: none)
+        chosen = [_pick(schema, rule, child, specs, metas[k] if k < len(metas) else None)
+                  for k, child in enumerate(strategy.childs)]
         targets: list[Optional[Layout]] = [None] * len(specs)
         for c in chosen:
             for k, lay in enumerate(c.input_specs):
                 if lay is not None:
                     targets[k] = lay
-        metas = _as_tuple(out_meta)
         outs = tuple(_output(mesh, c.output_specs, m) for c, m in zip(chosen, metas))
         return OutputSharding(tuple(_target(s, t) for s, t in zip(specs, targets)), outs)
     if not isinstance(strategy, OpStrategy):
         raise TypeError(f"strategy function for {schema.op} returned {type(strategy).__name__}, not an OpStrategy")
-    best = _pick(schema, rule, strategy, specs)
+    best = _pick(schema, rule, strategy, specs, out_meta)
     inputs = tuple(_target(s, lay) for s, lay in zip(specs, best.input_specs))
     if isinstance(best.output_specs, tuple):
         metas = _as_tuple(out_meta)
