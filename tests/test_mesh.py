@@ -118,3 +118,29 @@ def test_abstract_mesh_refuses_sizes_that_are_not_ints_naming_them(shape: object
     with pytest.raises(TypeError, match=r"mesh shape") as err:
         AbstractMesh(shape)  # type: ignore[arg-type]
     assert repr(shape if not isinstance(shape, tuple) else next(s for s in shape if not type(s) is int)) in str(err.value)
+
+
+@distributed(world_size=4)
+def test_flatten_merges_mesh_dims_into_one_the_root_mesh_then_knows_by_name() -> None:
+    # torchtitan's FSDP x CP code calls the private DeviceMesh._flatten (dp_shard x cp) and then
+    # slices the flattened dim from the whole mesh; shardwise had no _flatten
+    mesh = sw.init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
+    flat = mesh["dp_shard", "cp"]._flatten()
+    assert flat.mesh_dim_names == ("dp_shard_cp",) and flat.shape == (2,)
+    r = dist.get_rank()
+    assert flat.mesh.tolist() == ([0, 1] if r < 2 else [2, 3])
+    assert mesh["dp_shard_cp"] == flat
+    both = mesh["dp_replicate", "dp_shard_cp"]
+    assert both.shape == (2, 2) and both.mesh.tolist() == [[0, 1], [2, 3]]
+    dp = mesh["dp_replicate", "cp"]._flatten("dp_cp")  # not contiguous in the mesh: still row-major over them
+    assert dp.mesh.tolist() == [0, 1, 2, 3] and mesh["dp_cp"].shape == (4,)
+    # collectives go over the flattened group, in its order
+    t = sw.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh["dp_cp"], [Shard(0)])
+    assert t.to_local().tolist() == [[2.0 * r, 2.0 * r + 1]]
+    assert torch.equal(t.full_tensor(), torch.arange(8.0).reshape(4, 2))
+    s = sw.DTensor.from_local(torch.tensor([float(r)]), both, [Shard(0), Replicate()], run_check=False)
+    assert s.full_tensor().tolist() == ([0.0, 2.0] if r % 2 == 0 else [1.0, 3.0])
+    with pytest.raises(ValueError, match="already has a dim of that name"):
+        mesh["dp_replicate", "dp_shard"]._flatten("cp")
+    with pytest.raises(ValueError, match=r"'nope' is not a dim of this mesh .*flattened dims \['dp_cp', 'dp_shard_cp'\]"):
+        mesh["nope", "dp_cp"]

@@ -1,7 +1,6 @@
-"""Device meshes: an n-D grid of ranks with optional dim names, and its abstract twin.
+"""Device meshes: an n-D grid of ranks with optional dim names (`AbstractMesh`, shape and
+names only, is in `_mesh_abstract`).
 
-`AbstractMesh` is shape and names only: the planning layers (placement math, the
-redistribute planner, op strategies) take it and never touch a process group.
 `DeviceMesh` adds the rank grid and one `torch.distributed` process group per slice of
 each mesh dim, created once (by every process, in the same order) and reused by every
 mesh and sub-mesh that needs the same slice.
@@ -21,113 +20,10 @@ import torch
 import torch.distributed as dist
 
 from ._groups import GROUPS, collective_timeout, crossing_group, group_for
+from ._mesh_abstract import AbstractMesh, MeshDim, check_names
+from ._mesh_flat import flatten, resolve_names
 
 __all__ = ["AbstractMesh", "DeviceMesh", "init_device_mesh", "current_mesh", "get_current_mesh", "collective_timeout"]
-
-MeshDim = Union[int, str]
-# How an AbstractMesh finds its dry twin (a DeviceMesh with no processes): set by `_mesh_dry`
-DRY_TWIN: list[Any] = [None]
-
-
-class AbstractMesh:
-    """A mesh's shape and dim names, with no processes behind it: what planning needs.
-
-    >>> m = AbstractMesh((2, 4), ("dp", "tp"))
-    >>> m.ndim, m.size(), m.size("tp"), m.mesh_dim_index("dp")
-    (2, 8, 4, 0)
-    """
-
-    __slots__ = ("shape", "mesh_dim_names", "_hash")
-
-    shape: tuple[int, ...]
-    mesh_dim_names: Optional[tuple[str, ...]]
-
-    def __init__(self, shape: Sequence[int], mesh_dim_names: Optional[Sequence[str]] = None) -> None:
-        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
-            raise TypeError(f"mesh shape must be a sequence of ints, one per mesh dim, got {shape!r}: e.g. (2, 4)")
-        bad = [s for s in shape if isinstance(s, bool) or not hasattr(s, "__index__")]
-        if bad:
-            raise TypeError(f"mesh shape {tuple(shape)!r} holds {bad[0]!r} ({type(bad[0]).__name__}): every size must be "
-                            f"an int (not a str, float or bool)")
-        shape = tuple(int(s) for s in shape)
-        if not shape or any(s < 1 for s in shape):
-            raise ValueError(f"mesh shape {shape} is invalid: give at least one dim, every size >= 1")
-        names = _check_names(mesh_dim_names, len(shape))
-        self.shape = shape
-        self.mesh_dim_names = names
-        self._hash = hash((shape, names))
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def size(self, mesh_dim: Optional[MeshDim] = None) -> int:
-        if mesh_dim is None:
-            n = 1
-            for s in self.shape:
-                n *= s
-            return n
-        return self.shape[self.mesh_dim_index(mesh_dim)]
-
-    def mesh_dim_index(self, mesh_dim: MeshDim) -> int:
-        """The index of a mesh dim given by index or name; errors list what exists."""
-        if isinstance(mesh_dim, str):
-            if self.mesh_dim_names is None or mesh_dim not in self.mesh_dim_names:
-                raise ValueError(
-                    f"mesh dim {mesh_dim!r} is not a dim of this mesh (dim names: {self.mesh_dim_names}); "
-                    f"name the mesh dims with mesh_dim_names= or use one of those names"
-                )
-            return self.mesh_dim_names.index(mesh_dim)
-        if isinstance(mesh_dim, bool) or not isinstance(mesh_dim, int):
-            raise TypeError(f"mesh dim must be an int or a dim name, got {mesh_dim!r}")
-        if not -self.ndim <= mesh_dim < self.ndim:
-            raise ValueError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-D mesh of shape {self.shape}")
-        return mesh_dim % self.ndim
-
-    def abstract(self) -> AbstractMesh:
-        return self
-
-    def __getitem__(self, names: Union[str, Sequence[str]]) -> DeviceMesh:
-        """The sub-mesh over the named dims, on this mesh's dry twin (`_mesh_dry.DryMesh`), so
-        that plans for a dry run name `mesh["tp"]` as they would on a real mesh."""
-        twin: DeviceMesh = DRY_TWIN[0](self)
-        return twin[names]
-
-    @property
-    def has_mesh_group(self) -> bool:
-        """Whether collectives may span the whole mesh at once (a redistribute's exchange
-        step): planned as if a real mesh of this shape had its group over every rank."""
-        return True
-
-    def _key(self) -> tuple[Any, ...]:
-        return (self.shape, self.mesh_dim_names)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, AbstractMesh) and type(other) is type(self) and other._key() == self._key()
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __repr__(self) -> str:
-        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
-        return f"AbstractMesh({self.shape}{names})"
-
-
-def _check_names(names: Optional[Sequence[str]], ndim: int) -> Optional[tuple[str, ...]]:
-    if names is None:
-        return None
-    names = (names,) if isinstance(names, str) else names
-    if isinstance(names, bytes) or not isinstance(names, Sequence):
-        raise TypeError(f"mesh_dim_names must be a sequence of str, one per mesh dim, got {names!r}: e.g. ('dp', 'tp')")
-    names = tuple(names)
-    if len(names) != ndim:
-        raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {ndim}-D mesh: give one per mesh dim")
-    if not all(isinstance(n, str) for n in names):
-        raise TypeError(f"mesh_dim_names must be strings, got {names}")
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError(f"mesh_dim_names {names} repeats {dups}: every mesh dim needs its own name")
-    return names
 
 
 # Every mesh built in this process, by its ranks, shape and names: a pickled mesh (inside a
@@ -177,7 +73,8 @@ class DeviceMesh(AbstractMesh):
     As a context manager it becomes the current mesh, used by factories when no mesh is given.
     """
 
-    __slots__ = ("device_type", "_grid", "_coordinate", "_groups", "_slice_ranks", "_whole", "__weakref__")
+    __slots__ = ("device_type", "_grid", "_coordinate", "_groups", "_slice_ranks", "_whole", "_sliced_from", "_flattened",
+                 "__weakref__")
 
     device_type: str
 
@@ -217,6 +114,8 @@ class DeviceMesh(AbstractMesh):
         self._groups = _groups
         self._slice_ranks = tuple(self._ranks_along(i) for i in range(self.ndim))
         self._whole = self._whole_group(ranks, create=whole)
+        self._sliced_from: Optional[tuple[DeviceMesh, tuple[int, ...]]] = None  # (root mesh, its dims) of a sub-mesh
+        self._flattened: dict[str, tuple[int, ...]] = {}  # flattened dim name -> the dims it merges (`_mesh_flat`)
         _LIVE.setdefault(self._key(), self)
         note_process()  # so that peers can tell this process died, should it (once per process)
 
@@ -320,8 +219,11 @@ class DeviceMesh(AbstractMesh):
         if isinstance(names, str):
             names = (names,)
         names = tuple(names)
-        if self.mesh_dim_names is None:
+        if self.mesh_dim_names is None and not self._flattened:
             raise ValueError(f"mesh {self.shape} has no dim names: create it with mesh_dim_names= to slice by name")
+        if self._flattened and any(n in self._flattened for n in names):
+            flat: DeviceMesh = resolve_names(self, names)  # a dim made by `_flatten`
+            return flat
         dims = [self.mesh_dim_index(n) for n in names]
         if len(set(dims)) != len(dims):
             raise ValueError(f"sub-mesh names {names} repeat a dim")
@@ -329,9 +231,19 @@ class DeviceMesh(AbstractMesh):
         index: list[Any] = [slice(None) if i in dims else c for i, c in enumerate(coordinate)]
         kept = [i for i in range(self.ndim) if i in dims]
         sub = self._grid[tuple(index)].permute([kept.index(d) for d in dims])
-        return DeviceMesh(
+        made = DeviceMesh(
             self.device_type, sub, mesh_dim_names=names, _groups=tuple(self._groups[d] for d in dims)
         )
+        root, root_dims = self._sliced_from or (self, tuple(range(self.ndim)))
+        made._sliced_from = (root, tuple(root_dims[d] for d in dims))
+        return made
+
+    def _flatten(self, mesh_dim_name: Optional[str] = None) -> DeviceMesh:
+        """This mesh as one dim over its ranks (row-major), named `mesh_dim_name` (default: the
+        names joined by "_"), which the mesh it was sliced from then knows as a dim: torch's
+        private `DeviceMesh._flatten`, as torchtitan calls it. Call on every process."""
+        flat: DeviceMesh = flatten(self, mesh_dim_name)
+        return flat
 
     # -- current mesh ----------------------------------------------------------------
     def __enter__(self) -> DeviceMesh:
@@ -464,7 +376,7 @@ def init_device_mesh(
     shape = tuple(mesh_shape)
     if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         raise ValueError(f"mesh_shape {shape} is invalid: give positive ints, one per mesh dim")
-    _check_names(mesh_dim_names, len(shape))
+    check_names(mesh_dim_names, len(shape))
     n = 1
     for s in shape:
         n *= s

@@ -24,7 +24,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ._mesh import DRY_TWIN, AbstractMesh, DeviceMesh
+from ._mesh import AbstractMesh, DeviceMesh
+from ._mesh_abstract import DRY_TWIN
 
 __all__ = ["DryGroup", "DryMesh", "as_device_mesh", "simulated_rank", "simulating"]
 
@@ -94,6 +95,7 @@ class DryMesh(DeviceMesh):
         self.device_type = "meta"
         self._root = (self.shape, self.mesh_dim_names) if _root is None else _root
         self._dims = tuple(range(self.ndim)) if _dims is None else _dims
+        self._sliced_from, self._flattened = None, {}  # (no flattened dims on a dry mesh)
         self._hash = hash(("dry",) + self._key())
 
     @classmethod
