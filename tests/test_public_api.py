@@ -59,7 +59,7 @@ def test_public_surface_is_pinned() -> None:
 
 
 PARALLEL = [
-    "ColwiseParallel", "Coverage", "ExpertParallel", "FusedColwiseParallel", "MegatronPlanner", "ParallelStyle",
+    "ColwiseParallel", "Coverage", "ExpertParallel", "FusedColwiseParallel", "HFPlanner", "MegatronPlanner", "ParallelStyle",
     "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "ReplicateParallel", "RowwiseParallel", "SequenceParallel", "Sharder", "ShardingPlan", "ShardingPlanner", "coverage",
     "data_parallel",
@@ -90,7 +90,7 @@ def test_pipeline_surface_is_pinned() -> None:
     assert shardwise.pipeline.GPipe is shardwise.pipeline.Pipe  # torchgpipe's name
 
 
-CHECKPOINT = ["load", "save", "async_save"]
+CHECKPOINT = ["load", "save", "async_save", "save_pretrained"]
 
 
 def test_checkpoint_surface_is_pinned() -> None:

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import Replicate
-from shardwise.parallel import (ColwiseParallel, FusedColwiseParallel, ReplicateParallel, RowwiseParallel,
+from shardwise import Replicate, Shard
+from shardwise._placement import _StridedShard
+from shardwise.parallel import (ColwiseParallel, FusedColwiseParallel, HFPlanner, ReplicateParallel, RowwiseParallel,
                                 SequenceParallel, data_parallel, parallelize_module)
 from shardwise.testing import distributed
 
@@ -80,12 +81,12 @@ def qwen3_plan(norms: str) -> Callable[[Any], dict[str, Any]]:
     return plan
 
 
-MODELS = {"bert": "bert (masked LM)", "t5": "t5 (encoder-decoder)", "phi3": "phi3 (fused qkv, gate_up)",
+MODELS = {"bert": "bert (masked LM)", "t5": "t5 (encoder-decoder)", "phi3": "phi3 (fused qkv, gate_up)", "llama": "llama (sdpa, GQA)",
           "qwen3": "qwen3 (q/k norms)", "mixtral": "mixtral (MoE)"}
 OPTIMIZERS: dict[str, dict[str, Any]] = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
 
 
-def train(which: str, plan: Callable[[Any], dict[str, Any]], mesh_shape: tuple[int, ...], optimizer: str = "foreach",
+def train(which: str, plan: Callable[[Any], Any], mesh_shape: tuple[int, ...], optimizer: str = "foreach",
           dtype: torch.dtype = torch.float64, shard: bool = False, steps: int = 4) -> float:
     """The worst final parameter difference against one process, this rank."""
     torch.manual_seed(0)
@@ -222,3 +223,78 @@ def test_mixtral_under_dp_x_tp_trains_like_one_process(shard: bool) -> None:
     # different on each rank) were refused as rank-local plain tensors
     # (float32: the experts run as one _grouped_mm, which has no float64 CPU kernel even in one process)
     assert train("mixtral", torch_style_plan, (2, 2), dtype=torch.float32, shard=shard) <= 1e-5
+
+
+# -- the model's own plan ---------------------------------------------------------------------------
+
+
+def test_hf_planner_reads_the_models_own_plan_into_shardwise_styles() -> None:
+    model = ALL_MODELS[MODELS["qwen3"]]()
+    plan = HFPlanner().build_plan(model).plan
+    assert plan["model.layers.*.self_attn.q_proj"] == ColwiseParallel()
+    assert plan["model.layers.*.self_attn.o_proj"] == RowwiseParallel()
+    assert plan["model.layers.*.self_attn.q_norm"] == ReplicateParallel()
+    assert plan["model.embed_tokens"] == RowwiseParallel()  # vocab split, ids replicated
+    assert plan["lm_head"] == ColwiseParallel(output_layouts=Replicate())
+    mixtral = HFPlanner().build_plan(ALL_MODELS[MODELS["mixtral"]]()).plan
+    assert mixtral["model.layers.*.mlp.experts.gate_up_proj"] == (_StridedShard(1, split_factor=2),)  # packed gate|up
+    assert mixtral["model.layers.*.mlp.experts.down_proj"] == (Shard(-1),)
+    with pytest.raises(ValueError, match=r"'model.layers.\*.mlp.up_proj': transformers' style 'zigzag' has no shardwise"):
+        HFPlanner({"model.layers.*.mlp.up_proj": "zigzag"}).build_plan(model)
+    with pytest.raises(ValueError, match="Linear carries no tensor-parallel plan"):
+        HFPlanner().build_plan(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen3", "phi3"])
+@distributed(world_size=2)
+def test_hf_planner_trains_like_one_process_and_save_pretrained_loads_in_one_process(which: str, tmp_path: Any) -> None:
+    import torch.distributed as dist
+    import transformers
+
+    assert train(which, lambda m: HFPlanner(), (2,)) <= 1e-10
+    torch.manual_seed(0)
+    model = ALL_MODELS[MODELS[which]]().double()
+    reference = copy.deepcopy(model)
+    parallelize_module(model, sw.init_device_mesh("cpu", (2,)), HFPlanner())
+    assert isinstance(model.lm_head.weight, sw.DTensor)
+    path = str(tmp_path) if dist.get_rank() == 0 else None
+    path = [path]
+    dist.broadcast_object_list(path, src=0)
+    model.save_pretrained(path[0])  # transformers' own call, unchanged: every rank calls it
+    if dist.get_rank() == 0:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(path[0])
+        want = reference.state_dict()
+        got = loaded.state_dict()
+        assert set(got) == set(want)
+        for k in want:
+            assert got[k].dtype == torch.float64 and torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("which, dtype", [("llama", torch.float64), ("mixtral", torch.float32)])
+@distributed(world_size=4)
+def test_hf_planner_under_dp_x_tp_trains_like_one_process(which: str, dtype: torch.dtype) -> None:
+    assert train(which, lambda m: HFPlanner(), (2, 2), dtype=dtype) <= (1e-10 if dtype == torch.float64 else 1e-5)
+
+
+@distributed(world_size=2)
+def test_save_pretrained_of_a_megatron_planned_model_with_tied_embeddings_loads_in_one_process(tmp_path: Any) -> None:
+    # regression: transformers' save_pretrained read the DTensors' storage ("Attempted to access the data
+    # pointer on an invalid python storage"); the tied LM head must be written once, as the embedding
+    import torch.distributed as dist
+    import transformers
+
+    from shardwise.parallel import MegatronPlanner, shard_module
+
+    torch.manual_seed(0)
+    model = ALL_MODELS["gpt2 (fused qkv, Conv1D)"]().double()
+    reference = copy.deepcopy(model)
+    shard_module(model, MegatronPlanner(), sw.init_device_mesh("cpu", (2,)))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    path = [str(tmp_path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    model.save_pretrained(path[0])
+    if dist.get_rank() == 0:
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(path[0])
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+        for k, v in reference.state_dict().items():
+            assert torch.equal(loaded.state_dict()[k], v), k

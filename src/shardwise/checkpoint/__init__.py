@@ -5,7 +5,8 @@ every rank writes each element of each global tensor once (every rank its own pi
 its own file); `load(state_dict, checkpoint_id=dir)` fills a state dict in place, every
 DTensor in its own mesh and placements, by reading from the files the saved pieces that
 overlap what the rank holds. A checkpoint is a directory on a filesystem every rank shares;
-it is complete once `metadata.json` is in it, which save writes last.
+it is complete once `metadata.json` is in it, which save writes last. `save_pretrained(model,
+path)` writes a Hugging Face model whose parameters are DTensors as a `from_pretrained` directory.
 
 Without a process group it is one process saving and loading whole tensors:
 
@@ -23,7 +24,8 @@ ValueError: cannot load the checkpoint '...' into this state dict; nothing was l
   - 'w': the checkpoint holds shape (2, 3), the state dict (3, 2): global shapes must match (layouts may differ)
 """
 
+from ..parallel._pretrained import save_pretrained
 from ._load import load
 from ._save import SaveFuture, async_save, save
 
-__all__ = ["load", "save", "async_save"]  # torch.distributed.checkpoint's names (SaveFuture is what async_save returns)
+__all__ = ["load", "save", "async_save", "save_pretrained"]  # torch.distributed.checkpoint's names (SaveFuture is what async_save returns)

@@ -52,6 +52,7 @@ from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._spec import DTensorSpec, TensorMeta
 from .._tensor import DTensor
 from .._tensor._grad_reduce import deferred
+from ._pretrained import adopt_save_pretrained
 
 __all__ = ["data_parallel", "global_mean", "memory_report", "no_sync"]
 
@@ -280,6 +281,7 @@ def data_parallel(
         state.handles.append(owner.register_forward_pre_hook(_make_pre_hook(state, items), prepend=True))
         state.handles.append(owner.register_forward_hook(_make_post_hook(items), always_call=True))
     object.__setattr__(module, _STATE_ATTR, state)
+    adopt_save_pretrained(module)
     return module
 
 

@@ -30,6 +30,7 @@ from .._mesh_dry import as_device_mesh
 from .._tensor import DTensor
 from ._distribute import Ties, distribute_module, place_parameter
 from ._grad_check import PlainGradientCheck
+from ._pretrained import adopt_save_pretrained
 from ._plan import PlanEntry, Sharder, ShardingPlan, ShardingPlanner, resolve, to_layout
 from ._style import ParallelStyle
 
@@ -99,6 +100,7 @@ def shard_module(
         module.get_submodule(path).register_forward_hook(_output_layout_hook(path, layout, mesh))
     for path in resolved.local:
         module.get_submodule(path).register_forward_hook(_local_output_hook(path))
+    adopt_save_pretrained(module)  # a Hugging Face model's save_pretrained gathers its DTensors
     return module
 
 
@@ -130,7 +132,7 @@ def _local_output_hook(path: str) -> Callable[..., Any]:
 def parallelize_module(
     module: nn.Module,
     device_mesh: Optional[DeviceMesh] = None,
-    parallelize_plan: Union[ParallelStyle, Mapping[str, ParallelStyle], None] = None,
+    parallelize_plan: Union[ParallelStyle, Mapping[str, ParallelStyle], ShardingPlan, ShardingPlanner, None] = None,
     *,
     src_data_rank: Optional[int] = 0,
     replicate_rest: bool = False,
@@ -144,6 +146,13 @@ def parallelize_module(
     reported in one ValueError before any communication (torch warns and skips).
     Parameters and buffers of modules the plan does not mention stay plain tensors, as in
     torch (`replicate_rest=True` makes them replicated DTensors, as `shard_module` does).
+    A `ShardingPlan` or `ShardingPlanner` (such as `HFPlanner()`, a Hugging Face model's own
+    plan) is applied the same way.
+
+    At the end of the first backward pass, the plain parameters' gradients are compared across
+    the mesh (one small all_gather): a module left plain that runs on this rank's share of the
+    activations gets a partial gradient on each rank, and that is an error naming it and the
+    fix (`ReplicateParallel`), not a silent drift.
     """
     mesh = _mesh(device_mesh, "parallelize_module")
     if mesh.ndim != 1:
@@ -155,6 +164,10 @@ def parallelize_module(
     if parallelize_plan is None:
         warnings.warn("parallelize_module got no parallelize_plan: nothing to do", stacklevel=2)
         return module
+    if isinstance(parallelize_plan, ShardingPlanner):
+        parallelize_plan = parallelize_plan.build_plan(module)
+    if isinstance(parallelize_plan, ShardingPlan):
+        return shard_module(module, parallelize_plan, mesh, src_data_rank=src_data_rank, replicate_rest=replicate_rest)
     if isinstance(parallelize_plan, Sharder):
         styles: dict[str, Sharder] = {"": parallelize_plan}
     elif isinstance(parallelize_plan, Mapping):
