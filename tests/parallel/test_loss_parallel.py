@@ -250,3 +250,30 @@ def test_the_mode_is_off_by_default_and_restored_after_an_error() -> None:
             raise KeyError("boom")
     assert _loss_parallel.LOSS_PARALLEL not in active_modes()
 
+
+
+@distributed(world_size=2)
+def test_torch_loss_parallel_around_shardwise_dtensors_warns_once_naming_shardwise_loss_parallel() -> None:
+    # regression: a ported program still calling torch's loss_parallel() by its full path got no loss
+    # parallelism, silently: torch's context manager reaches torch's DTensor only, so the logits were gathered
+    import warnings
+
+    from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
+
+    from shardwise._tensor import _torch_loss
+
+    _torch_loss._warn.cache_clear()
+    mesh = sw.init_device_mesh("cpu", (2,))
+    # shapes no other test uses: the warning comes when an op's plan is made (later calls reuse it)
+    full, target = torch.randn(5, 11, generator=torch.Generator().manual_seed(0)), torch.arange(5) % 11
+    logits = sw.distribute_tensor(full, mesh, [Shard(1)])
+    with pytest.warns(UserWarning, match=r"torch\.distributed\.tensor\.parallel\.loss_parallel\(\) is on.*"
+                                         r"shardwise\.parallel\.loss_parallel\(\)"):
+        with torch_loss_parallel():
+            loss = F.cross_entropy(logits, target)
+    torch.testing.assert_close(loss.full_tensor(), F.cross_entropy(full, target))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with loss_parallel():  # shardwise's own: no warning
+            F.cross_entropy(sw.distribute_tensor(full * 2, mesh, [Shard(1)]), target)
+        F.cross_entropy(sw.distribute_tensor(full * 3, mesh, [Shard(1)]), target)  # neither on: no warning

@@ -40,9 +40,11 @@ from .._mesh_dry import PER_RANK_CACHES, DryMesh
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh
 from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, ScalarTensor, propagate, rule_for
+from .._ops._loss_parallel import LOSS_PARALLEL as _LOSS_MODE, LOSS_PARALLEL_OPS
 from .._placement import Replicate
 from .._spec import DTensorSpec, TensorMeta
 from ._plain import check_plain
+from ._torch_loss import warn_if_torch_loss_parallel
 from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, Location, OutsidePlan, Plan, RestridedPlan,
                      ViewPlan, implicit, implicit_replication, misplaced, restride)
 from ._redistribute import Move, move_between
@@ -69,6 +71,7 @@ _METADATA_OPS = {torch.ops.aten.is_same_size.default}
 # comparisons a rank outside the mesh answers as torch does (its empty pieces agree)
 _OUTSIDE_ANSWERS = {torch.ops.aten.equal.default: True, torch.ops.aten.allclose.default: True}
 _SLICE_BACKWARD = torch.ops.aten.slice_backward.default
+_LOSS_OPS = frozenset(LOSS_PARALLEL_OPS)  # torch's loss_parallel() around them is a mistake to warn of
 
 
 def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -116,6 +119,8 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
     try:
         if run is None:
             rule = rule_for(func, modes)
+            if func in _LOSS_OPS and _LOSS_MODE not in modes:
+                warn_if_torch_loss_parallel(func)
             if not (implicit() or rule.plain_as_replicated):
                 check_plain(func, modes, args, kwargs)
             return _first_run(key, func, args, kwargs, rule)
