@@ -7,6 +7,15 @@ only the listed linears hold DTensors; between them the model runs on plain loca
 `implicit_replication()`. Each model trains 5 AdamW steps against the same model in one
 process: parameters to 1e-10 in float64 and 1e-5 in float32. The losses are compared to
 1e-6 in float64 (HF computes the causal-LM loss in float32) and 1e-5 in float32.
+
+transformers computes in float32 inside a float64 model: RMSNorm's variance (Qwen3's per-head
+q/k norms too), the router's softmax (Mixtral), the causal-LM loss. The first two are per token,
+so a batch split over data-parallel ranks or micro-batches rounds them exactly as one process
+does, and parameters still match to ~1e-15; the loss is a float32 mean whose summation order
+follows the split, so its value differs by float32 rounding, up to one ulp (4.8e-7 at ~4.2):
+hence 1e-6 for float64 losses. One process run on the two halves of each batch by hand
+disagrees with itself by those same amounts
+(`test_one_process_disagrees_with_itself_only_in_the_float32_loss_when_the_batch_is_split`).
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ ALL_MODELS = {
     # experts run as one _grouped_mm, which has no float64 CPU kernel even in one process
     "mixtral (MoE)": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         **SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    # the same with transformers' "eager" experts (the model's own loop of linears), which runs in float64
+    "mixtral (MoE, eager experts)": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **SMALL, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager")),
 }
 
 
@@ -194,7 +206,8 @@ def test_megatron_planner_trains_an_unchanged_hf_model_like_one_process(which: s
 @pytest.mark.parametrize("which, planner, shard", [
     ("llama (sdpa, GQA)", "torch-style", False), ("llama (sdpa, GQA)", "torch-style", True),
     ("phi3 (fused qkv, gate_up)", "megatron", True),  # parts split over tp, ZeRO-3 over dp on the other dim
-], ids=["llama-replicated", "llama-zero3", "phi3-megatron-zero3"])
+    ("qwen3 (q/k norms)", "torch-style", True),  # float32 q/k norms on each rank's heads and samples
+], ids=["llama-replicated", "llama-zero3", "phi3-megatron-zero3", "qwen3-zero3"])
 @distributed(world_size=4)
 def test_dp_x_tp_trains_an_unchanged_hf_model_like_one_process(which: str, planner: str, shard: bool) -> None:
     loss, param = _train(which, torch.float64, (2, 2), shard=shard, planner=planner)
@@ -259,6 +272,48 @@ def test_megatron_planner_trains_an_unchanged_mixtral_like_one_process_in_float3
     for planner in ("megatron", "torch-style"):  # DTensor and plain tokens
         loss, param = _train("mixtral (MoE)", torch.float32, (2,), planner=planner)
         assert loss <= 1e-5 and param <= 1e-5, (planner, loss, param)
+
+
+@pytest.mark.parametrize("planner", ["megatron", "torch-style"])
+@distributed(world_size=2)
+def test_mixtral_trains_like_one_process_in_float64(planner: str) -> None:
+    # regression: under the Megatron plan the routing weights' gradient left the experts as a
+    # pending sum of per-rank terms, and transformers runs the router's backward in float32
+    # (softmax, top-k, renormalisation): each rank's term was rounded to float32 before the sum,
+    # 9e-10 from one process after 5 steps (7.5e-9 on 4 ranks); now summed as it leaves the
+    # experts (exact: each route is taken on one rank)
+    loss, param = _train("mixtral (MoE, eager experts)", torch.float64, (2,), planner=planner)
+    assert loss <= 1e-6 and param <= 1e-10, (planner, loss, param)
+
+
+@pytest.mark.parametrize("which", ["qwen3 (q/k norms)", "mixtral (MoE, eager experts)"])
+def test_one_process_disagrees_with_itself_only_in_the_float32_loss_when_the_batch_is_split(which: str) -> None:
+    # What the mesh cells' tolerances rest on, in one process: the full batch against its two
+    # halves with the gradients averaged by hand (as data parallel and micro-batches split it),
+    # 5 AdamW steps in float64. transformers' float32 norms and router softmax are per token, so
+    # the parameters agree to ~1e-15 (DP x TP (2, 2) ends 1.2e-15 from one process for Qwen3, the
+    # same bits as this split); its float32 loss mean is rounded otherwise: 2.4e-7 off here, half
+    # an ulp (the mesh, averaging the halves' float32 losses in float32, shows 4.8e-7).
+    torch.manual_seed(0)
+    whole = ALL_MODELS[which]().double()
+    whole.eval()
+    halves = copy.deepcopy(whole)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (whole, halves)]
+    g = torch.Generator().manual_seed(1)
+    worst_loss = 0.0
+    for _ in range(5):
+        ids = torch.randint(0, 64, (4, 8), generator=g)
+        want = _loss(whole, which, ids)
+        want.backward()
+        got = sum(_loss(halves, which, half).double() / 2 for half in ids.chunk(2))  # averaged exactly
+        got.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        worst_loss = max(worst_loss, abs(got.item() - want.item()))
+    assert want.dtype == torch.float32  # a float64 model's loss, as transformers computes it
+    worst_param = max((p - q).abs().max().item() for p, q in zip(whole.parameters(), halves.parameters()))
+    assert 0 < worst_loss <= 1e-6 and worst_param <= 1e-13, (worst_loss, worst_param)
 
 
 def test_megatron_planner_reports_coverage_and_warns_on_large_replicated_parameters() -> None:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+import torch
 from torch import nn
 
 from .._mesh import AbstractMesh, DeviceMesh
@@ -163,6 +164,11 @@ class _ExpertSlices(ParallelStyle):
             hidden_states, top_k_index, top_k_weights = _three_inputs(type(module).__name__, args, kwargs)
             plain = not isinstance(hidden_states, DTensor)
             tokens = _summed_back(hidden_states, device_mesh)
+            if isinstance(top_k_weights, torch.Tensor) and isinstance(hidden_states, torch.Tensor):
+                # each rank's term of the routing weights' gradient is a partial dot product: kept in the
+                # tokens' dtype until summed, it is rounded to the router's float32 once, as in one process
+                # (the experts' product promotes the weights anyway: the forward is unchanged)
+                top_k_weights = top_k_weights.to(torch.promote_types(top_k_weights.dtype, hidden_states.dtype))
             weights = _summed_back(top_k_weights, device_mesh)
             index = top_k_index.full_tensor() if isinstance(top_k_index, DTensor) else top_k_index
             with local_parameters(module, names):
