@@ -6,7 +6,8 @@ rows: one all_reduce of the small activation instead of the large gradients); th
 small with a large batch is plain data parallel. A memory budget below what data parallel
 needs makes it shard parameters (ZeRO-3) and the chosen plan's modelled peak stays within
 it. Clustering repeated blocks predicts the whole model's FLOPs and bytes exactly. The
-chosen plans are valid: applied on 4 real ranks, a training step equals one process.
+chosen plans are valid: applied on 4 real ranks, a training step equals one process. The
+default loss needs the whole output, so a plan that leaves it a pending sum pays to reduce it.
 """
 
 from __future__ import annotations
@@ -45,8 +46,17 @@ def test_a_wide_mlp_on_a_small_batch_is_cut_column_then_row() -> None:
     assert planner.layouts.parameters == {"0.weight": S0, "0.bias": S0, "2.weight": S1, "2.bias": R}
     assert planner.layouts.inputs == (R,)
     costs = {c.roles: c.cost for c in planner.report.candidates}
-    assert planner.report.chosen.roles == ("auto",) and plan is planner.layouts.plan
-    assert costs[("auto",)].seconds <= costs[("tp",)].seconds  # at most the Megatron hand plan's
+    # both cut column-then-row; the default loss (a squared error) needs the output reduced,
+    # which the hand plan does once in the layer's output hook, and the solver's plan (its
+    # last layer's output a pending sum) for the loss's forward and again for its backward
+    assert planner.report.chosen.roles in {("tp",), ("auto",)}
+    assert planner.report.chosen.cost.seconds == min(c.seconds for c in costs.values())
+    assert plan is planner.report.plan
+    if planner.report.chosen.roles == ("tp",):
+        assert {k: type(v) for k, v in plan.plan.items()} == {"0": ColwiseParallel, "2": RowwiseParallel}
+    else:
+        assert plan is planner.layouts.plan
+    assert costs[("auto",)].comm_bytes <= 2 * costs[("tp",)].comm_bytes
     # data parallel all_reduces the 2 x 512 x 2048 weights' gradients; tp one 8 x 512 activation
     assert costs[("dp",)].comm_bytes > 100 * costs[("tp",)].comm_bytes
     assert "x=tp" in str(planner.report) and "<- chosen" in str(planner.report)
@@ -63,6 +73,29 @@ def test_a_small_mlp_on_a_large_batch_is_data_parallel() -> None:
     costs = {c.roles: c.cost for c in planner.report.candidates}
     assert planner.report.chosen.roles in {("auto",), ("dp",)}
     assert costs[("auto",)].comm_bytes <= costs[("dp",)].comm_bytes < costs[("tp",)].comm_bytes / 10
+
+
+@pytest.mark.parametrize("loss", ["default", "linear"])
+def test_the_default_loss_plans_a_small_mlp_on_a_large_batch_as_data_parallel(loss: str) -> None:
+    # issue 30.6: the default loss was the output's mean, under which a row-parallel output's
+    # pending sum is never reduced, so column-then-row tensor parallel (no communication at
+    # all) won over data parallel for a 64 -> 256 -> 64 MLP on 16,384 rows
+    loss_fn = (lambda out: out.float().mean()) if loss == "linear" else None
+    planner = AutoPlanner(sw.AbstractMesh((4,), ("dp",)), example_inputs=(torch.randn(16384, 64),), loss_fn=loss_fn)
+    planner.build_plan(_mlp(64, 256))
+    assert planner.report is not None and planner.layouts is not None
+    costs = {c.roles: c.cost for c in planner.report.candidates}
+    solver_dp = planner.layouts.inputs == (S0,) and set(planner.layouts.parameters.values()) == {R}
+    if loss == "linear":  # the old default, given by hand: the mistake it made
+        assert not solver_dp and planner.report.chosen.roles == ("auto",)
+        assert costs[("auto",)].comm_bytes == 0
+        return
+    # the solver finds data parallel itself (the batch split, every parameter replicated), and
+    # the chosen candidate is data parallel, by roles or by the solver's layouts
+    assert solver_dp, planner.layouts.describe()
+    assert planner.report.chosen.roles in {("dp",), ("auto",)}
+    assert costs[("dp",)].seconds < costs[("tp",)].seconds
+    assert costs[("dp",)].comm_bytes < costs[("tp",)].comm_bytes / 10
 
 
 def test_an_attention_block_model_is_cut_megatron_style() -> None:

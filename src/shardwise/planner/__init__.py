@@ -5,9 +5,11 @@ modelled time of dry runs (`CostModel`), under a memory budget per rank.
     plan = planner.build_plan(model)       # a ShardingPlan (tp styles); roles per mesh dim in planner.report
     print(planner.report)                  # every candidate: modelled step time, communication, peak memory
     planner.apply(model, mesh)             # the plan and data parallel / ZeRO-3 on the real mesh
+    print(planner.compare(model, {"megatron": MegatronPlanner().build_plan(model), "dp": ("dp",)}))  # 1-D mesh
 """
 
-from ._auto import AutoPlanner, AutoPlanReport, Candidate
+from ._auto import AutoPlanner, CandidateLike
 from ._cost import CostModel, StepCost
+from ._report import AutoPlanReport, Candidate, Comparison
 
-__all__ = ["AutoPlanReport", "AutoPlanner", "Candidate", "CostModel", "StepCost"]
+__all__ = ["AutoPlanReport", "AutoPlanner", "Candidate", "CandidateLike", "Comparison", "CostModel", "StepCost"]

@@ -10,6 +10,13 @@ rank 0, every op through its real strategy. `CostModel.step` turns the
 rank's FLOPs, collectives and peak memory into modelled seconds; the fastest candidate
 within `memory_budget` wins.
 
+The step's loss matters: a plan whose output is pending a sum over ranks (`Partial`, a
+row-parallel last layer) costs nothing more under a linear loss such as the output's mean,
+since the mean of a pending sum is a pending sum of means. Real losses (cross-entropy,
+squared error) need every element of the output, so the default loss is the output's
+squared error against a zero target, `output.square().mean()`: a `Partial` output is
+reduced before it, as it would be for training, while a split (`Shard`) output stays split.
+
 Repeated layers are clustered: a model whose largest list of identical blocks has L of them
 dry-runs with 1 block and with 2, and each cost grows by their difference L - 2 more times,
 so a 32-layer model plans about as fast as a 2-layer one.
@@ -21,74 +28,37 @@ measured by the same dry run; `planner.layouts` holds it.
 The plan is an ordinary `ShardingPlan` (the tp styles, empty when no dim is tp; the solver's
 layouts for "auto"); the roles are in `planner.report`; `planner.apply(model, mesh)` does
 both on a real mesh, and `planner.local_inputs(batch, mesh)` gives each rank its share.
+`planner.compare(model, {...})` measures candidates of one's own the same way: roles, or
+`ShardingPlan`s (another planner's, a hand-written one).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 from .._mesh import AbstractMesh, DeviceMesh
-from .._placement import Replicate
+from .._placement import Placement, Replicate, Shard
 from ..debug import dry_run
-from ..parallel import MegatronPlanner, ShardingPlan, ShardingPlanner, data_parallel, shard_module
+from ..parallel import MegatronPlanner, PrepareModuleInput, ShardingPlan, ShardingPlanner, data_parallel, shard_module
 from ._cost import CostModel, StepCost
 from ._layout_plan import LayoutPlan, plan_layouts
+from ._model import cut_plan, default_loss, meta_copy, repeated, steady
+from ._report import AutoPlanReport, Candidate, Comparison
 from ._solve import MemoryBudgetError
-from ._model import default_loss, meta_copy, repeated, steady
 
-__all__ = ["AutoPlanReport", "AutoPlanner", "Candidate"]
+__all__ = ["AutoPlanner", "CandidateLike"]
 
 Roles = tuple[str, ...]
 ROLES = ("dp", "zero", "tp", "auto")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way to use the mesh: a role per mesh dim, its modelled cost, and whether it fits."""
-
-    roles: Roles
-    cost: StepCost
-    fits: bool
-
-
-@dataclass(frozen=True)
-class AutoPlanReport:
-    """What `AutoPlanner.build_plan` found: every candidate, the chosen one, its plan, and
-    the seconds planning took."""
-
-    mesh_shape: tuple[int, ...]
-    mesh_dim_names: tuple[str, ...]
-    candidates: list[Candidate]
-    chosen: Candidate
-    plan: ShardingPlan
-    seconds: float
-    memory_budget: Optional[int]
-
-    def __str__(self) -> str:
-        lines = [f"AutoPlanner on mesh {self.mesh_shape} {self.mesh_dim_names}: {len(self.candidates)} candidates in "
-                 f"{self.seconds:.2f} s" + (f", memory budget {_gib(self.memory_budget)}" if self.memory_budget else ""),
-                 f"  {'roles':<22}{'step s':>10}{'compute s':>11}{'comm s':>10}{'comm':>11}{'peak/rank':>12}  fits"]
-        for c in sorted(self.candidates, key=lambda c: c.cost.seconds):
-            roles = ", ".join(f"{n}={r}" for n, r in zip(self.mesh_dim_names, c.roles))
-            mark = " <- chosen" if c is self.chosen else ""
-            lines.append(f"  {roles:<22}{c.cost.seconds:>10.4f}{c.cost.compute_seconds:>11.4f}{c.cost.comm_seconds:>10.4f}"
-                         f"{_gib(c.cost.comm_bytes):>11}{_gib(c.cost.peak_bytes):>12}  {'yes' if c.fits else 'no'}{mark}")
-        return "\n".join(lines)
-
-
-def _gib(n: Optional[int]) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+DATA = ("dp", "zero")  # the roles that split the batch
+PLANNED = ("tp", "auto")  # the roles whose mesh dim a ShardingPlan shards
+# what `compare` measures: roles, a plan (1-D meshes), or a plan and the roles saying where it goes
+CandidateLike = Union[Sequence[str], ShardingPlan, tuple[ShardingPlan, Sequence[str]]]
 
 
 class AutoPlanner(ShardingPlanner):
@@ -96,8 +66,13 @@ class AutoPlanner(ShardingPlanner):
     the modelled time of one training step on `example_inputs` (the global batch: data-parallel
     dims split its dim 0), under `memory_budget` bytes per rank (see the module docstring).
 
-    `loss_fn(output)` makes the loss (default: `output.loss` when the model returns one, else
-    the output's mean); `optimizer` is the optimizer class whose state counts in memory."""
+    `loss_fn(output)` makes the loss. The default is `output.loss` when the model returns one,
+    else the squared error of the output (its `.logits`, or its first element) against a zero
+    target, `output.float().square().mean()`: a loss that needs the whole output, as training
+    losses do. (A linear loss such as the output's mean would make a row-parallel output's
+    pending reduction look free, and tensor parallel win where data parallel is what training
+    needs.) Pass the real loss when it is at hand. `optimizer` is the optimizer class whose
+    state counts in memory."""
 
     def __init__(self, mesh: AbstractMesh, *, example_inputs: Sequence[Any],
                  memory_budget: Optional[int] = None, cost: Optional[CostModel] = None,
@@ -165,9 +140,30 @@ class AutoPlanner(ShardingPlanner):
                                      time.perf_counter() - start, self.memory_budget)
         return plan
 
-    def compare(self, module: nn.Module, options: Mapping[str, Sequence[str]]) -> dict[str, StepCost]:
-        """The modelled cost of named role choices, e.g. {"megatron": ("tp",), "data parallel": ("dp",)}."""
-        return {name: self._candidate(module, tuple(roles)).cost for name, roles in options.items()}
+    def compare(self, module: nn.Module, candidates: Mapping[str, CandidateLike]) -> Comparison:
+        """The modelled step of each named candidate, measured as `build_plan` measures its own
+        (the same dry run, loss and clustering of repeated blocks), so a candidate's numbers
+        are the report's for the same roles. A candidate is
+        - roles, one per mesh dim: `("tp",)`, `("dp", "tp")`, `("auto",)` (after `build_plan`);
+        - a `ShardingPlan` (1-D meshes): applied with `shard_module` over the mesh, e.g.
+          `MegatronPlanner().build_plan(model)` or another planner's `report.plan`; a model
+          input its root `PrepareModuleInput` lays out as `Shard(0)` is split by rows (each
+          rank its share, as `local_inputs` gives it), the others stay whole;
+        - `(plan, roles)`: the plan over the mesh dim whose role is "tp", data parallel ("dp")
+          or ZeRO-3 ("zero") over the other: how a plan is placed on a 2-D mesh.
+
+        The answer maps each name to its `StepCost`; printed, it is a table like the report's:
+
+            planner.compare(model, {"megatron": MegatronPlanner().build_plan(model), "data parallel": ("dp",)})
+        """
+        if not isinstance(candidates, Mapping):
+            raise TypeError(f"compare takes a dict of named candidates, got {type(candidates).__name__}: e.g. "
+                            "{'megatron': MegatronPlanner().build_plan(model), 'data parallel': ('dp',)}")
+        costs = {}
+        for name, given in candidates.items():
+            roles, plan = self._form(name, given)
+            costs[name] = self._candidate(module, roles, plan).cost
+        return Comparison(self.mesh.shape, self.names, costs, self.memory_budget)
 
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         """Shard `module` on the real `mesh` (the planned shape) as the report chose: the plan
@@ -185,17 +181,8 @@ class AutoPlanner(ShardingPlanner):
         (`Shard(0)`), the whole input otherwise."""
         if self.report is None:
             raise ValueError("local_inputs follows the chosen plan: call build_plan first")
-        roles = self.report.chosen.roles
-        if roles == ("auto",):
-            assert self.layouts is not None
-            parts = mesh.size(0)
-            return tuple(x if lay is None or lay.placements[0] == Replicate() else x.chunk(parts)[mesh.get_local_rank(0)]
-                         for x, lay in zip(inputs, self.layouts.inputs))
-        data = [d for d, r in enumerate(roles) if r in ("dp", "zero")]
-        if not data:
-            return tuple(inputs)
-        parts, me = mesh.size(data[0]), mesh.get_local_rank(data[0])
-        return tuple(x.chunk(parts)[me] if isinstance(x, torch.Tensor) and x.ndim > 0 else x for x in inputs)
+        dims = _row_dims(self.report.chosen.roles, self.report.plan, inputs)
+        return tuple(x if d is None else x.chunk(mesh.size(d))[mesh.get_local_rank(d)] for x, d in zip(inputs, dims))
 
     def _options(self, can_tp: bool) -> list[Roles]:
         if self.abstract.ndim == 1:
@@ -213,12 +200,36 @@ class AutoPlanner(ShardingPlanner):
     def _splits(self, roles: Roles) -> bool:
         """Whether the batch splits evenly over the roles' data-parallel dim (a candidate that
         would need uneven batches is left out)."""
-        data = [d for d, r in enumerate(roles) if r != "tp"]
+        data = [d for d, r in enumerate(roles) if r in DATA]
         n = self.abstract.shape[data[0]] if data else 1
         rows = [x.shape[0] for x in self.example_inputs if isinstance(x, torch.Tensor) and x.ndim > 0]
         return all(r % n == 0 for r in rows)
 
-    def _candidate(self, module: nn.Module, roles: Roles) -> Candidate:
+    def _form(self, name: str, given: Any) -> tuple[Roles, Optional[ShardingPlan]]:
+        """(roles, plan) of a `compare` candidate; the plan is None where the roles make it."""
+        n, shape, names = self.abstract.ndim, self.mesh.shape, self.names
+        tp = names.index("tp") if "tp" in names else n - 1
+        example = tuple("tp" if d == tp else "dp" for d in range(n))
+        if isinstance(given, ShardingPlan):
+            if n == 1:
+                return ("tp",), given
+            raise ValueError(f"compare[{name!r}] is a ShardingPlan, which shards over one mesh dim, and mesh {shape} "
+                             f"{names} has {n}: say which and what the other does with roles, e.g. (plan, {example}) "
+                             f"puts the plan on {names[tp]!r} and data parallel on the other")
+        if isinstance(given, (tuple, list)) and len(given) == 2 and isinstance(given[0], ShardingPlan):
+            plan, roles = given[0], given[1]
+            if (isinstance(roles, str) or not isinstance(roles, (tuple, list)) or len(roles) != n
+                    or list(roles).count("tp") != 1 or any(r not in ("tp",) + DATA for r in roles)):
+                raise ValueError(f"compare[{name!r}] = (plan, {roles!r}): give one role per mesh dim of {names}, "
+                                 f"'tp' where the plan goes and 'dp' or 'zero' elsewhere, e.g. (plan, {example})")
+            return tuple(roles), plan
+        if isinstance(given, str) or not isinstance(given, (tuple, list)) or not all(isinstance(r, str) for r in given):
+            raise TypeError(f"compare[{name!r}] = {given!r}: a candidate is roles (one per mesh dim, e.g. {example}), "
+                            f"a ShardingPlan, or (plan, roles)")
+        return tuple(given), None
+
+    def _candidate(self, module: nn.Module, roles: Roles, plan: Optional[ShardingPlan] = None) -> Candidate:
+        """`roles` measured, with `plan` on the "tp" dim when given (else the roles' own plan)."""
         bad = [r for r in roles if r not in ROLES]
         if bad or len(roles) != self.abstract.ndim or roles.count("tp") > 1 or ("auto" in roles and roles != ("auto",)):
             raise ValueError(f"roles {roles} must give each of the {self.abstract.ndim} mesh dims one of {ROLES}, at most "
@@ -227,30 +238,30 @@ class AutoPlanner(ShardingPlanner):
             raise ValueError("roles ('auto',) is the layout solver's plan: call build_plan first")
         blocks = repeated(module)
         if blocks is None or len(blocks[1]) <= 2:
-            cost = self._measure(module, roles, None)
+            cost = self._measure(module, roles, None, plan)
         else:
-            one, two = self._measure(module, roles, 1), self._measure(module, roles, 2)
-            cost = two.scaled(one, len(blocks[1]))
+            prefix, layers = blocks[0], len(blocks[1])
+            cuts = [None if plan is None else cut_plan(plan, prefix, layers, keep) for keep in (1, 2)]
+            if plan is not None and None in cuts:  # the plan treats blocks differently: the whole model runs
+                cost = self._measure(module, roles, None, plan)
+            else:
+                one, two = self._measure(module, roles, 1, cuts[0]), self._measure(module, roles, 2, cuts[1])
+                cost = two.scaled(one, layers)
         fits = self.memory_budget is None or cost.peak_bytes <= self.memory_budget
         return Candidate(roles, cost, fits)
 
-    def _measure(self, module: nn.Module, roles: Roles, keep: Optional[int]) -> StepCost:
+    def _measure(self, module: nn.Module, roles: Roles, keep: Optional[int],
+                 plan: Optional[ShardingPlan] = None) -> StepCost:
+        """One dry-run step of `module` (its first `keep` repeated blocks) under `roles`, with
+        `plan` (made for that model) or the roles' own plan."""
         model = meta_copy(module, keep)
-        plan = self.tp_planner.build_plan(model) if "tp" in roles else ShardingPlan(plan={})
-        if roles == ("auto",):
-            assert self.layouts is not None
-            plan = self.layouts.plan
-        _shard(model, self.abstract, self.names, roles, plan)
+        if plan is None:
+            plan = self._role_plan(model, roles)
+        model = _shard(model, self.abstract, self.names, roles, plan)
         opt = self.optimizer(model.parameters())
         steady(model, opt)
-        if roles == ("auto",):
-            assert self.layouts is not None
-            inputs = tuple(x if lay is None or lay.placements[0] == Replicate() else _share(x, self.abstract.shape[0])
-                           for x, lay in zip(self.example_inputs, self.layouts.inputs))
-        else:
-            data = [d for d, r in enumerate(roles) if r not in ("tp", "auto")]
-            split = self.abstract.shape[data[0]] if data else 1
-            inputs = tuple(_share(x, split) for x in self.example_inputs)
+        dims = _row_dims(roles, plan, self.example_inputs)
+        inputs = tuple(x if d is None else _share(x, self.abstract.shape[d]) for x, d in zip(self.example_inputs, dims))
         loss_fn = self.loss_fn
 
         def step(model: nn.Module, opt: torch.optim.Optimizer, *inputs: Any) -> None:
@@ -261,16 +272,49 @@ class AutoPlanner(ShardingPlanner):
         report = dry_run(step, model, opt, *inputs, mesh=self.abstract)
         return self.cost.step(report.ranks[0])
 
+    def _role_plan(self, model: nn.Module, roles: Roles) -> ShardingPlan:
+        if roles == ("auto",):
+            assert self.layouts is not None
+            return self.layouts.plan
+        return self.tp_planner.build_plan(model) if "tp" in roles else ShardingPlan(plan={})
+
 
 def _shard(module: nn.Module, mesh: Any, names: tuple[str, ...], roles: Roles, plan: ShardingPlan) -> nn.Module:
-    if roles == ("auto",):
-        return shard_module(module, plan, mesh)
-    if "tp" in roles:
-        shard_module(module, plan, mesh[names[roles.index("tp")]] if len(roles) > 1 else mesh)
-    data = [d for d, r in enumerate(roles) if r != "tp"]
+    """`plan` over the "tp" (or "auto") dim, then data parallel (ZeRO-3 for "zero") over the other."""
+    planned = [d for d, r in enumerate(roles) if r in PLANNED]
+    if planned:
+        module = shard_module(module, plan, mesh[names[planned[0]]] if len(roles) > 1 else mesh)
+    data = [d for d, r in enumerate(roles) if r in DATA]
     if data:
         data_parallel(module, mesh, dp_dim=names[data[0]], shard_parameters=roles[data[0]] == "zero")
     return module
+
+
+def _row_dims(roles: Roles, plan: ShardingPlan, inputs: Sequence[Any]) -> tuple[Optional[int], ...]:
+    """For each model input, the mesh dim over whose ranks its rows are split (None: every rank
+    takes it whole): the data-parallel dim, or on a 1-D mesh the plan's own where its root
+    `PrepareModuleInput` lays the input out as `Shard(0)` (the layout solver's data parallel)."""
+    data = [d for d, r in enumerate(roles) if r in DATA]
+    planned = [d for d, r in enumerate(roles) if r in PLANNED]
+    root = plan.plan.get("")
+    laid: tuple[Optional[Placement], ...] = ()
+    if isinstance(root, PrepareModuleInput) and isinstance(root.input_layouts, tuple):
+        laid = root.input_layouts
+    out: list[Optional[int]] = []
+    for k, x in enumerate(inputs):
+        p = laid[k] if k < len(laid) else None
+        if not isinstance(x, torch.Tensor) or x.ndim == 0:
+            out.append(None)
+        elif p is None or p == Replicate():
+            out.append(data[0] if data else None)
+        elif p == Shard(0) and not data and planned:
+            out.append(planned[0])
+        else:
+            beside = " beside data parallel" if data else ""
+            raise ValueError(f"the plan's root PrepareModuleInput lays input {k} out as {p}{beside}: "
+                             f"the planner splits a model input by rows (Shard(0)) on a 1-D mesh only, and keeps it "
+                             f"whole (Replicate()) otherwise; lay out that input inside the model instead")
+    return tuple(out)
 
 
 def _state_factor(optimizer: Any) -> float:

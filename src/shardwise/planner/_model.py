@@ -1,15 +1,18 @@
-"""The model as the planner sees it: a meta copy (no data copied), its repeated blocks, the
-default loss, and the optimizer's steady state."""
+"""The model as the planner sees it: a meta copy (no data copied), its repeated blocks, a
+plan cut to the blocks kept, the default loss, and the optimizer's steady state."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["default_loss", "meta_copy", "repeated", "steady"]
+from ..parallel import ShardingPlan
+
+__all__ = ["cut_plan", "default_loss", "meta_copy", "repeated", "steady"]
 
 Blocks = Any  # an nn.ModuleList or nn.Sequential
 
@@ -25,6 +28,9 @@ def steady(model: nn.Module, opt: torch.optim.Optimizer) -> None:
 
 
 def default_loss(output: Any) -> torch.Tensor:
+    """`output.loss` when the model returns one, else the squared error of its output (`.logits`,
+    or the first element of a tuple) against a zero target. Not the mean: a linear loss never
+    needs a pending sum (`Partial`) reduced, so tensor parallel would look free."""
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
@@ -34,7 +40,7 @@ def default_loss(output: Any) -> torch.Tensor:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"AutoPlanner's default loss takes a tensor output or one with .loss / .logits, got "
                         f"{type(output).__name__}: pass loss_fn=")
-    return logits.float().mean()
+    return logits.float().square().mean()
 
 
 def repeated(module: nn.Module) -> Optional[tuple[str, Blocks]]:
@@ -67,3 +73,34 @@ def meta_copy(module: nn.Module, keep: Optional[int]) -> nn.Module:
         setattr(parent, attr, type(blocks)(*list(blocks)[:keep]) if isinstance(blocks, nn.Sequential)
                 else nn.ModuleList(list(blocks)[:keep]))
     return out
+
+
+def cut_plan(plan: ShardingPlan, prefix: str, layers: int, keep: int) -> Optional[ShardingPlan]:
+    """`plan` for the model whose repeated list `prefix` keeps its first `keep` of `layers`
+    blocks: the entries that name a block by index (`blocks.3.q`) kept for the blocks left,
+    patterns (`blocks.*.q`) and the rest as they are. None when the plan does not treat every
+    block alike (then only the whole model measures it)."""
+    head = prefix + "."
+
+    def index(key: str) -> str:
+        """The block a key names ("*" for none: outside the list, or a pattern over every block)."""
+        return key[len(head):].partition(".")[0] if key.startswith(head) else "*"
+
+    def cut(entries: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+        blocks: dict[str, dict[str, Any]] = {}
+        for key, value in entries.items():
+            if index(key) != "*":
+                blocks.setdefault(index(key), {})[key[len(head) + len(index(key)):]] = value
+        every = {str(i) for i in range(layers)}
+        if blocks and (set(blocks) != every or any(b != blocks["0"] for b in blocks.values())):
+            return None  # some blocks only, blocks planned differently, or a pattern over some (blocks.1?.q)
+        kept = {"*"} | {str(i) for i in range(keep)}
+        return {key: value for key, value in entries.items() if index(key) in kept}
+
+    entries = cut(plan.plan)
+    outputs = None if plan.output_plan is None else cut(plan.output_plan)
+    local = None if plan.return_local_tensor is None else cut(dict.fromkeys(plan.return_local_tensor))
+    if entries is None or (plan.output_plan is not None and outputs is None) or \
+            (plan.return_local_tensor is not None and local is None):
+        return None
+    return ShardingPlan(entries, output_plan=outputs, return_local_tensor=None if local is None else list(local))
