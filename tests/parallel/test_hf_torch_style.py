@@ -221,7 +221,8 @@ def test_mixtral_under_dp_x_tp_trains_like_one_process(shard: bool) -> None:
     # regression: the experts' forward swapped in local pieces where data parallel's compute view
     # shadowed them, so the experts computed on DTensors and the routed tokens (legitimately
     # different on each rank) were refused as rank-local plain tensors
-    # (float32: the experts run as one _grouped_mm, which has no float64 CPU kernel even in one process)
+    assert train("mixtral64", torch_style_plan, (2, 2), shard=shard) <= 1e-10  # transformers' eager experts
+    # the default grouped experts (one _grouped_mm: no float64 CPU kernel, even in one process)
     assert train("mixtral", torch_style_plan, (2, 2), dtype=torch.float32, shard=shard) <= 1e-5
 
 
