@@ -20,6 +20,13 @@ data-parallel bucket) add what they were doing to the error on its way up, so th
 reads from the user's call down to the collective. If the store itself cannot be reached
 (its host died), the error says so and names what it can.
 
+The store must outlive the readers. When a rank hosts it (rank 0 under a plain
+`init_process_group`), that rank is often the first to fail and its program exits as soon
+as its error goes uncaught, taking the records with it. So each rank, when it has read what
+it needs, writes that it is done, and the host (only the host) waits before raising until
+every other rank is done or gone, at most a collective timeout + 2 GRACE + 1 s after its own
+failure (`_store_host`): a peer blocked when the host failed has failed and read by then.
+
 Ranks that issue collectives of different sizes make gloo abort the process; with
 `SHARDWISE_CHECK=1`, every collective is preceded by an all_gather of a fixed-size
 descriptor (its number, kind, sizes, dtype), so a disagreement or a skipped collective is
@@ -42,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .._mesh import COLLECTIVE_FAILED, collective_timeout, note_process
+from ._store_host import say_done, stay_for_readers
 
 __all__ = ["GRACE", "CollectiveError", "checking", "diagnose", "group_ranks", "next_number", "note_process",
            "verify_agreement"]
@@ -180,6 +188,7 @@ def diagnose(operation: Sequence[str], ranks: Sequence[int], number: Optional[in
     a point-to-point message, whose group is `ranks`), after watching the store for the
     others' reports."""
     rank = dist.get_rank()
+    started = time.monotonic()
     text = _cause(cause)
     store = _store()
     others = [r for r in ranks if r != rank]
@@ -236,7 +245,20 @@ def diagnose(operation: Sequence[str], ranks: Sequence[int], number: Optional[in
     error = kind(operation, rank, ranks=ranks, died=sorted(died), missing=missing, arrived=sorted(arrived),
                  elsewhere=elsewhere, cause=text, outside=outside, found=found)
     _post_blame(store, rank, error)
+    _finish_reading(store, rank, started, error)
     return error
+
+
+def _finish_reading(store: Any, rank: int, started: float, error: CollectiveError) -> None:
+    """Say this rank is done with the store; if it hosts the store, wait for the others to be
+    done too (bounded; see `_store_host`), and say so in the error if some were not."""
+    say_done(store, rank)
+    until = started + collective_timeout().total_seconds() + 2 * GRACE + 1.0
+    pending = stay_for_readers(store, rank, until, lambda r: _gone(store, r))
+    if pending:
+        error.add_note(f"rank {rank} hosts the process group's store: before raising, it waited "
+                       f"{time.monotonic() - started:.0f} s for {_ranks(pending)} to read their own diagnosis from it, "
+                       f"in vain (stalled, busy, or not failing)")
 
 
 def _post_blame(store: Any, rank: int, error: CollectiveError) -> None:
@@ -329,6 +351,7 @@ def verify_agreement(operation: Sequence[str], group: Any, size: int, number: in
     if all(r == rows[0] for r in rows):
         return
     store, rank = _store(), dist.get_rank()
+    started = time.monotonic()
     key = _group_key(ranks)
     mine = " > ".join(operation)
     by_row: dict[tuple[int, ...], list[int]] = {}
@@ -355,9 +378,11 @@ def verify_agreement(operation: Sequence[str], group: Any, size: int, number: in
         store.set(f"{_PREFIX}/blame/{rank}", reason)
     except Exception:
         pass
-    raise CollectiveError(list(operation), rank, ranks=ranks,
-                          elsewhere={r: what for what, rs in sides.items() if rs is not biggest for r in rs},
-                          reason=reason)
+    error = CollectiveError(list(operation), rank, ranks=ranks,
+                            elsewhere={r: what for what, rs in sides.items() if rs is not biggest for r in rs},
+                            reason=reason)
+    _finish_reading(store, rank, started, error)
+    raise error
 
 
 def _signature(values: Sequence[int]) -> str:
