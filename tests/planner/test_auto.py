@@ -182,3 +182,16 @@ def test_bad_arguments_are_refused() -> None:
         AutoPlanner(sw.AbstractMesh((4,)), example_inputs=(torch.randn(8, 8),), time_limit=0)
     with pytest.raises(ValueError, match=r"rates must be positive"):
         CostModel(default_bandwidth=0)
+
+
+def test_a_tensor_parallel_plan_that_cannot_split_the_model_is_no_candidate() -> None:
+    # regression: MegatronPlanner cuts Stack's 3-output head by columns, which leaves one of 4 ranks an
+    # empty piece; build_plan raised that plan's ValueError instead of planning without tensor parallelism
+    model = Stack(64, 4)
+    planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(torch.randn(8, 64),), cost=SLOW_LINKS)
+    planner.build_plan(model)
+    assert planner.report is not None
+    assert all(c.roles != ("tp",) for c in planner.report.candidates)
+    two = AutoPlanner(sw.AbstractMesh((2, 4), ("a", "b")), example_inputs=(torch.randn(8, 64),), cost=SLOW_LINKS)
+    two.build_plan(model)  # tp over the dim of 2 still is one
+    assert two.report is not None and {c.roles.index("tp") for c in two.report.candidates} == {0}

@@ -112,7 +112,7 @@ class AutoPlanner(ShardingPlanner):
         the whole comparison is in `self.report`."""
         start = time.perf_counter()
         tp_plan = self.tp_planner.build_plan(module)
-        options = [r for r in self._options(bool(tp_plan.plan)) if self._splits(r)]
+        options = [r for r in self._options(bool(tp_plan.plan)) if self._splits(r) and self._valid(module, tp_plan, r)]
         self.layouts = None
         if self.abstract.ndim == 1:
             try:
@@ -196,6 +196,17 @@ class AutoPlanner(ShardingPlanner):
             for data in ("dp", "zero"):
                 out.append(tuple("tp" if d == tp else data for d in range(2)))
         return out
+
+    def _valid(self, module: nn.Module, tp_plan: ShardingPlan, roles: Roles) -> bool:
+        """Whether the tp planner's plan is valid on the tp dim of `roles` (one that would leave a
+        rank an empty piece, a 3-way head over 4 ranks, is no candidate: it could not be applied)."""
+        if "tp" not in roles:
+            return True
+        try:
+            tp_plan.validate(module, AbstractMesh((self.abstract.shape[roles.index("tp")],), ("tp",)))
+        except ValueError:
+            return False
+        return True
 
     def _splits(self, roles: Roles) -> bool:
         """Whether the batch splits evenly over the roles' data-parallel dim (a candidate that
