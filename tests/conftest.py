@@ -12,6 +12,7 @@ single-process tests alone.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterator
 from typing import Optional
 
@@ -22,6 +23,10 @@ from shardwise.testing import shutdown_pools
 # --- multi-rank harness (shardwise.testing) ------------------------------------------
 # Tests run bodies on N ranks with `run_distributed` or `@distributed(world_size=N)`.
 # The worker pools (one per world size) live across tests; stop them when the session ends.
+# A body's time limit guards against hangs, not slowness: on a loaded machine (2 cores, another
+# suite beside it) the heaviest bodies take over a minute, so the suite allows 300 s each
+# unless SHARDWISE_TEST_TIMEOUT says otherwise (the harness's own default stays 60 s).
+os.environ.setdefault("SHARDWISE_TEST_TIMEOUT", "300")
 
 
 @pytest.fixture(scope="session", autouse=True)
