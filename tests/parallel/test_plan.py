@@ -241,3 +241,18 @@ def test_layouts_output_plan_and_local_outputs_match_single_device() -> None:
     want.sum().backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(_full(p.grad), q.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"grad {name}: {m}")
+
+
+@distributed(world_size=4)
+def test_ranks_given_different_plans_all_raise_naming_them_instead_of_aborting_in_gloo() -> None:
+    # regression: a layout solver stopped by its time limit on a loaded machine gave rank 3 another
+    # plan; the first collective of shard_module then mismatched and gloo aborted the process
+    import torch.distributed as dist
+
+    mesh = sw.init_device_mesh("cpu", (4,))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    entry = (Shard(1),) if dist.get_rank() == 3 else (Shard(0),)
+    with pytest.raises(ValueError, match=r"were given different plans \(rank\(s\) \[3\] differ from rank 0\)"):
+        shard_module(model, ShardingPlan({"0.weight": entry}), mesh)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())  # nothing was placed
+    shard_module(model, ShardingPlan({"0.weight": (Shard(0),)}), mesh)  # the same plan everywhere: placed

@@ -19,7 +19,8 @@ __all__ = ["all_gather_ints", "broadcast", "gather_over_mesh"]
 
 def all_gather_ints(values: Sequence[int], group: Any, n: int) -> list[list[int]]:
     """Every rank's list of ints (all lists the same length), in group rank order."""
-    t = torch.tensor(list(values), dtype=torch.int64)
+    device = torch.get_default_device()  # (not meta: under `with torch.device("meta")` the ints are still real)
+    t = torch.tensor(list(values), dtype=torch.int64, device="cpu" if device.type == "meta" else device)
     gather = AllGather(group=group, size=n, shape=tuple(t.shape), dtype=t.dtype, tensor_dim=0,
                        pieces=(len(values),) * n)
     out = run(gather, t, traceable=False)

@@ -16,6 +16,7 @@ plain local tensors, exactly as under torch. `replicate_rest=` chooses either wa
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import fields, is_dataclass, replace
@@ -24,6 +25,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from .. import _comm as comm
 from .._describe import describe
 from .._mesh import DeviceMesh, get_current_mesh
 from .._mesh_dry import as_device_mesh
@@ -31,7 +33,7 @@ from .._tensor import DTensor
 from ._distribute import Ties, distribute_module, place_parameter
 from ._grad_check import PlainGradientCheck
 from ._pretrained import adopt_save_pretrained
-from ._plan import PlanEntry, Sharder, ShardingPlan, ShardingPlanner, resolve, to_layout
+from ._plan import PlanEntry, ResolvedPlan, Sharder, ShardingPlan, ShardingPlanner, resolve, to_layout
 from ._style import ParallelStyle
 
 __all__ = ["shard_module", "parallelize_module"]
@@ -73,6 +75,7 @@ def shard_module(
     if not isinstance(plan, ShardingPlan):
         raise TypeError(f"shard_module takes a ShardingPlan or a ShardingPlanner, got {type(plan).__name__}")
     resolved = resolve(plan, module, mesh)
+    _agree_on(resolved, mesh)
 
     ties = Ties(module)
     for name, placements, order in resolved.params:
@@ -102,6 +105,28 @@ def shard_module(
         module.get_submodule(path).register_forward_hook(_local_output_hook(path))
     adopt_save_pretrained(module)  # a Hugging Face model's save_pretrained gathers its DTensors
     return module
+
+
+def _agree_on(resolved: ResolvedPlan, mesh: DeviceMesh) -> None:
+    """Raise on every rank when the ranks of `mesh` were given different plans (one all_gather of
+    a digest): each would place and move its parameters its own way, and the first collective
+    would mismatch (gloo aborts the process). A plan built on each rank from a time-limited
+    search (AutoPlanner's layout solver) or from rank-local data can differ."""
+    if mesh.size() == 1 or mesh.get_coordinate() is None:  # (a dry run agrees as a real run does)
+        return
+    sharders = [(path, repr(s) if is_dataclass(s) else type(s).__qualname__) for path, s in resolved.sharders]
+    text = repr((resolved.params, sharders, resolved.outputs, resolved.local))
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+    rows = comm.gather_over_mesh([digest], mesh.get_all_groups(), mesh.shape)
+    ranks = mesh.mesh.flatten().tolist()
+    odd = [r for r, row in zip(ranks, rows) if row != rows[0]]
+    if odd:
+        raise ValueError(
+            f"shard_module: the ranks of {mesh!r} were given different plans (rank(s) {odd} differ from rank "
+            f"{ranks[0]}): every rank must apply the same plan. Build it from the same inputs on every rank (a "
+            f"time-limited search such as AutoPlanner's layout solver can stop at different plans: give it more "
+            f"time_limit), or build it on one rank and send it to the others"
+        )
 
 
 def _each_dtensor(out: Any, fn: Callable[[DTensor], Any], where: str) -> Any:
