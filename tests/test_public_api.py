@@ -99,6 +99,18 @@ def test_checkpoint_surface_is_pinned() -> None:
     assert list(shardwise.checkpoint.__all__) == CHECKPOINT  # torch.distributed.checkpoint's names
 
 
+FSDP = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]
+
+
+def test_fsdp_surface_is_pinned() -> None:
+    import torch.distributed.fsdp
+
+    import shardwise.fsdp
+
+    assert list(shardwise.fsdp.__all__) == FSDP
+    assert set(FSDP) <= set(torch.distributed.fsdp.__all__)  # torch's FSDP2 names, so the switch is an import change
+
+
 def test_spmd_surface_is_pinned() -> None:
     import shardwise.spmd
 

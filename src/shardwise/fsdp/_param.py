@@ -1,0 +1,145 @@
+"""One parameter of a unit: how `fully_shard` stores it and the piece the unit gathers back.
+
+A parameter is stored as an `nn.Parameter` DTensor whose piece on the shard mesh dim is a
+`torch.chunk` piece of tensor dim `k` (default 0; earlier ranks get the larger pieces,
+trailing ranks may hold none). A plain parameter lives on the `fully_shard` mesh:
+`(Shard(k),)`, or `(Replicate(), Shard(k))` on an HSDP mesh. A parameter that tensor
+parallelism made a DTensor on a sibling sub-mesh (torchtitan's 2-D recipe: tp first, then
+`fully_shard` on dp) lives on the mesh of both, its tp placements kept; where tp splits
+dim `k` too, tp splits first and dp splits tp's piece, so gathering over dp gives back
+exactly the tp piece the forward computes with.
+
+| parameter given | stored as (mesh dims: dp-replicate?, dp-shard, tp...) | the unit gathers |
+|---|---|---|
+| plain, shape G | `S(k)` on dp | G, plain |
+| DTensor on tp, piece L | `S(k)` on dp + tp placements, split order tp then dp | L, made a DTensor on tp again |
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .._layout import ShardOrder, chunk_range, contiguous_strides, normalize_shard_order
+from .._mesh import DeviceMesh
+from .._placement import Placement, Replicate, Shard, _StridedShard
+from .._spec import DTensorSpec, TensorMeta
+from .._tensor import DTensor
+
+__all__ = ["TensorParallel", "UnitParam", "place"]
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How the gathered piece becomes the tensor-parallel DTensor the forward computes with."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shard_order: ShardOrder
+    meta: TensorMeta
+
+
+@dataclass(eq=False)
+class UnitParam:
+    """A stored parameter, where modules read it, and the unsharded tensor the unit gathers into."""
+
+    name: str
+    owners: list[tuple[nn.Module, str]]  # (module, attribute) of every place it is registered
+    dim: int  # the tensor dim dp splits
+    full_shape: tuple[int, ...]  # what one dp group gathers (the tp piece, or the whole parameter)
+    sizes: tuple[int, ...]  # each shard rank's length along `dim`
+    tp: Optional[TensorParallel]
+    full: Optional[torch.Tensor] = None  # the unsharded tensor; its storage is freed, not the tensor
+    unsynced: Optional[torch.Tensor] = None  # unsharded gradient summed while gradient sync is off
+    partial: Optional[torch.Tensor] = None  # HSDP: this rank's reduce-scattered sum, not yet all-reduced
+
+    @property
+    def param(self) -> DTensor:
+        """The stored parameter as registered now (`load_state_dict(assign=True)` and
+        `to_empty` replace or swap it)."""
+        owner, attr = self.owners[0]
+        return owner._parameters[attr]  # type: ignore[return-value]
+
+    def shape_on(self, rank: int) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        shape[self.dim] = self.sizes[rank]
+        return tuple(shape)
+
+    def numel_on(self, rank: int) -> int:
+        return math.prod(self.shape_on(rank))
+
+    def split(self, grad: torch.Tensor) -> list[torch.Tensor]:
+        """`grad` (the full shape) cut into the shard ranks' pieces along `dim`."""
+        return list(torch.split(grad, list(self.sizes), dim=self.dim))
+
+
+def place(name: str, p: torch.Tensor, mesh: DeviceMesh, shard_dim: int, placement: Shard,
+          owners: list[tuple[nn.Module, str]]) -> UnitParam | str:
+    """Store `p` sharded on mesh dim `shard_dim` of `mesh` (the fully_shard mesh), or a
+    problem naming the parameter and the fix. No communication: every rank keeps its own
+    `torch.chunk` piece of the values it already holds (seed the ranks alike, as under torch)."""
+    n, r = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+    k = placement.dim % max(p.ndim, 1) if p.ndim else 0
+    if p.ndim == 0:
+        return f"{name} is a 0-dim parameter: fully_shard shards a tensor dim; pass it in ignored_params"
+    tp: Optional[TensorParallel] = None
+    if isinstance(p, DTensor):
+        param_mesh, placements, order = _with_tensor_parallel(name, p, mesh, shard_dim, k)
+        if isinstance(placements, str):
+            return placements
+        local = p._local_tensor
+        tp = TensorParallel(p.device_mesh, p.placements, p.shard_order, p._spec.tensor_meta)
+        meta = p._spec.tensor_meta
+    else:
+        param_mesh = mesh
+        placements = tuple(Shard(k) if m == shard_dim else Replicate() for m in range(mesh.ndim))
+        order = ()
+        local = p.detach()
+        meta = TensorMeta(p.shape, contiguous_strides(p.shape), p.dtype)
+    full_shape = tuple(local.shape)
+    sizes = tuple(chunk_range(full_shape[k], n, q)[1] for q in range(n))
+    start, length = chunk_range(full_shape[k], n, r)
+    with torch.no_grad():
+        piece = local.narrow(k, start, length).clone(memory_format=torch.contiguous_format)
+    spec = DTensorSpec(param_mesh, placements, meta, order)
+    stored = nn.Parameter(DTensor(piece, spec, requires_grad=False), requires_grad=p.requires_grad)
+    for owner, attr in owners:
+        owner._parameters[attr] = stored
+    return UnitParam(name, owners, k, full_shape, sizes, tp)
+
+
+def _with_tensor_parallel(name: str, p: DTensor, mesh: DeviceMesh, shard_dim: int, k: int
+                          ) -> tuple[DeviceMesh, tuple[Placement, ...] | str, ShardOrder]:
+    """The mesh of the dp dims and `p`'s tp dims, `p`'s placements with Shard(k) on the shard dim."""
+    tp_mesh = p.device_mesh
+    root = mesh._sliced_from[0] if mesh._sliced_from else mesh
+    tp_root = tp_mesh._sliced_from[0] if tp_mesh._sliced_from else tp_mesh
+    names = root.mesh_dim_names
+    if root is not tp_root or names is None or mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        return mesh, (f"{name} is a DTensor on {tp_mesh!r}, but fully_shard's mesh is {mesh!r}: both must be "
+                      f"named sub-meshes of one mesh (init_device_mesh(..., mesh_dim_names=('dp', 'tp')); "
+                      f"parallelize on mesh['tp'], fully_shard on mesh['dp'])"), ()
+    if set(mesh.mesh_dim_names) & set(tp_mesh.mesh_dim_names):
+        return mesh, (f"{name} is a DTensor on {tp_mesh!r}, which shares mesh dims with fully_shard's mesh "
+                      f"{mesh!r}: tensor parallelism and fully_shard need disjoint mesh dims"), ()
+    if p._spec.has_partial():
+        return mesh, f"{name} has placements {p._spec.layout_str()}: a parameter cannot be Partial", ()
+    if any(isinstance(q, _StridedShard) and q.dim == k for q in p.placements):
+        return mesh, (f"{name} has placements {p._spec.layout_str()}: dim {k} is already split in strides; "
+                      f"shard another dim with shard_placement_fn"), ()
+    wanted = set(mesh.mesh_dim_names) | set(tp_mesh.mesh_dim_names)
+    both = tuple(d for d in names if d in wanted)
+    joint = root[both] if both != names else root
+    where = {d: i for i, d in enumerate(both)}
+    placements: list[Placement] = [Replicate()] * len(both)
+    for m, q in enumerate(p.placements):
+        placements[where[tp_mesh.mesh_dim_names[m]]] = q
+    dp = where[mesh.mesh_dim_names[shard_dim]]
+    placements[dp] = Shard(k)
+    orders = {d: tuple(where[tp_mesh.mesh_dim_names[m]] for m in ms) for d, ms in p._spec.split_orders().items()}
+    orders[k] = orders.get(k, ()) + (dp,)
+    return joint, tuple(placements), normalize_shard_order(placements, orders, p.ndim)

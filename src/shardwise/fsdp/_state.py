@@ -1,0 +1,214 @@
+"""What runs around a sharded module's forward and backward, and what one root's units share.
+
+Per `fully_shard` call there is one `FSDPState` (its modules, its unit, its options) and
+per model one `Root`: the first state whose forward runs becomes the root at that moment
+(lazily, as in torch) and takes every state below it. Per step:
+
+| moment | what the state does |
+|---|---|
+| pre-forward | gather the unit (waiting for a prefetch), put the compute views where the module reads them, start gathering the next unit in forward order, cast inputs |
+| post-forward | take the views away, reshard (unless told not to; never during a recomputation inside backward), hook the outputs for pre-backward, cast outputs |
+| pre-backward (the first gradient reaching an output) | gather the unit again if it was resharded, start gathering the previous unit |
+| post-backward (the unit's `_UnitGrad` node) | finish the previous unit's reduction, start this one's, reshard |
+| end of backward (engine callback, queued once) | finish every reduction, reshard what is left, reset per-step state |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ._param import UnitParam
+from ._policy import MixedPrecisionPolicy
+from ._unit import Reduction, Unit
+
+__all__ = ["FSDPState", "Root", "STATE_ATTR", "state_of"]
+
+STATE_ATTR = "_shardwise_fsdp_state"
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Root:
+    """The units of one model: their forward order (for prefetch), pending reductions, the end of backward."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states
+        self.order: list[FSDPState] = []  # states with a unit, in the order their forward first ran
+        self.recording = True
+        self.pending: list[Reduction] = []
+        self.queued_task: Optional[int] = None
+
+    def ran(self, state: FSDPState) -> None:
+        if self.recording and state.unit is not None and state not in self.order:
+            self.order.append(state)
+
+    def neighbour(self, state: FSDPState, step: int) -> list[FSDPState]:
+        if self.recording or state not in self.order:
+            return []
+        i = self.order.index(state) + step
+        return [self.order[i]] if 0 <= i < len(self.order) else []
+
+    def finish_reductions(self) -> None:
+        pending, self.pending = self.pending, []
+        for reduction in pending:
+            reduction.finish()
+
+    def queue_end_of_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task != self.queued_task:
+            self.queued_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def end_of_backward(self) -> None:
+        self.queued_task = None
+        self.finish_reductions()
+        for state in self.states:
+            state.backward_started = False
+            state.open_nodes = 0
+            if state.unit is not None and state.reshard_after_backward:
+                state.unit.reshard()
+
+    def reset(self) -> None:
+        """Forget a failed step: drop pending reductions and in-flight gathers, reshard every unit."""
+        self.pending = []
+        self.queued_task = None
+        for state in self.states:
+            state.backward_started = False
+            state.open_nodes = 0
+            if state.unit is not None:
+                state.unit.inflight = []
+                for p in state.unit.params:
+                    p.unsynced = None
+                state.unit.gathered = True
+                state.unit.reshard()
+
+
+class FSDPState:
+    """One `fully_shard` call: its modules, its unit (None when it took no parameters), its options."""
+
+    def __init__(self, modules: list[nn.Module], unit: Optional[Unit], mp: MixedPrecisionPolicy,
+                 reshard_after_forward: Union[bool, int], auto_reshard: bool) -> None:
+        self.modules = modules
+        self.unit = unit
+        self.mp = mp
+        self.reshard_after_forward: Union[bool, int] = reshard_after_forward
+        self.auto_reshard = auto_reshard
+        self.reshard_after_backward = True
+        self.root: Optional[Root] = None
+        self.is_root = False
+        self.backward_started = False
+        self.open_nodes = 0  # _UnitGrad nodes of this step whose backward has not run
+        self.forward_prefetch: Optional[list[FSDPState]] = None
+        self.backward_prefetch: Optional[list[FSDPState]] = None
+        self.is_last_backward = True
+        self.handles: list[Any] = []
+        # per module: (parameter index, owner, attribute) of every place inside it a parameter is read
+        self.slots: dict[nn.Module, list[tuple[int, nn.Module, str]]] = {}
+        if unit is not None:
+            unit.on_backward = self.post_backward
+            for module in modules:
+                inside = set(module.modules())
+                self.slots[module] = [(i, owner, attr) for i, p in enumerate(unit.params)
+                                      for owner, attr in p.owners if owner in inside]
+
+    # -- root ---------------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        states: list[FSDPState] = []
+        for module in self.modules:
+            for sub in module.modules():
+                found = state_of(sub)
+                if found is not None and found not in states:
+                    states.append(found)
+        root = Root(states)
+        for state in states:
+            if state.root is None:
+                state.root = root
+        self.is_root = True
+        if self.auto_reshard:
+            self.reshard_after_forward = False
+
+    # -- forward ------------------------------------------------------------------------
+    def pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.root is None:
+            self.lazy_init()
+        root = self.root
+        assert root is not None
+        recomputing = _in_backward()
+        if self.is_root and not recomputing and root.recording and root.order:
+            root.recording = False  # the second forward of the root: the order is known
+        if self.unit is not None:
+            self.unit.unshard()
+            views = self.unit.views()
+            if not recomputing and torch.is_grad_enabled():
+                self.open_nodes += 1
+            for i, owner, attr in self.slots[module]:
+                owner.__dict__[attr] = views[i]
+        if not recomputing:
+            root.ran(self)
+            for target in self.forward_prefetch if self.forward_prefetch is not None else root.neighbour(self, 1):
+                if target.unit is not None:
+                    target.unit.start_gather()
+        if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
+            args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.unit is not None:
+            for _, owner, attr in self.slots[module]:
+                owner.__dict__.pop(attr, None)
+            if not _in_backward() and self.reshard_after_forward is not False:
+                self.unit.reshard()
+        if not _in_backward() and torch.is_grad_enabled():
+            flat, _ = tree_flatten(output)
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self.pre_backward)  # type: ignore[no-untyped-call]
+        if self.mp.output_dtype is not None:
+            output = _cast(output, self.mp.output_dtype)
+        return output
+
+    # -- backward -----------------------------------------------------------------------
+    def pre_backward(self, grad: torch.Tensor) -> None:
+        if self.backward_started:
+            return
+        self.backward_started = True
+        root = self.root
+        assert root is not None
+        root.queue_end_of_backward()
+        if self.unit is not None:
+            self.unit.unshard()
+        for target in self.backward_prefetch if self.backward_prefetch is not None else root.neighbour(self, -1):
+            if target.unit is not None and not target.backward_started:
+                target.unit.start_gather()
+
+    def post_backward(self, params: list[UnitParam], grads: Sequence[Optional[torch.Tensor]]) -> None:
+        root = self.root
+        assert root is not None and self.unit is not None
+        root.queue_end_of_backward()
+        root.finish_reductions()
+        root.pending.extend(self.unit.reduce(params, grads))
+        self.open_nodes = max(self.open_nodes - 1, 0)
+        if self.reshard_after_backward and self.open_nodes == 0:
+            self.unit.reshard()
+
+
+def state_of(module: nn.Module) -> Optional[FSDPState]:
+    found = module.__dict__.get(STATE_ATTR)
+    return found if isinstance(found, FSDPState) else None
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)

@@ -1,0 +1,246 @@
+"""A unit: the parameters of one `fully_shard` call, gathered by one collective and reduced by one.
+
+Each rank packs its pieces of the unit's parameters one after another into one flat
+buffer; one `AllGather` over the shard mesh dim brings every rank's buffer (uneven
+lengths padded by the collective); each parameter's unsharded tensor is then cut out of
+it along its shard dim. In backward the gradients are packed rank by rank (rank q's
+pieces of every parameter, then rank q+1's) so one `ReduceScatter` leaves each rank the
+sum of its own pieces; on an HSDP mesh one `all_reduce` over the replicate dim follows.
+
+| step | collective (per unit, per dtype) | memory |
+|---|---|---|
+| unshard (forward, or backward after a reshard) | all_gather of the packed pieces | + the unsharded unit |
+| reshard | none | the unsharded storage freed (`resize_(0)`): the tensors stay, so autograd's saved views see the next gather |
+| reduce | reduce_scatter (+ all_reduce on replicate) | + one packed gradient buffer |
+
+The forward computes with views of the unsharded tensors made by one autograd function per
+unit (`_UnitGrad`), whose backward receives every parameter's gradient at once: that is
+the moment the unit's backward is over, so the reduction starts there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+
+from .. import _comm as comm
+from .._mesh import DeviceMesh
+from .._tensor import DTensor
+from ._param import UnitParam
+from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["Reduction", "Unit"]
+
+
+def _packing(params: Sequence[UnitParam], n: int) -> tuple[tuple[int, ...], list[list[int]]]:
+    """(each rank's packed length, each rank's start of each parameter's piece)."""
+    totals, starts = [], []
+    for q in range(n):
+        at, row = 0, []
+        for p in params:
+            row.append(at)
+            at += p.numel_on(q)
+        totals.append(at)
+        starts.append(row)
+    return tuple(totals), starts
+
+
+@dataclass(eq=False)
+class Reduction:
+    """A started reduce_scatter of one unit's gradients; `finish()` gives them to the parameters."""
+
+    unit: Unit
+    params: list[UnitParam]
+    started: comm.Started
+    starts: list[int]  # this rank's start of each parameter's piece
+
+    def finish(self) -> None:
+        unit = self.unit
+        mine = self.started.result()
+        r = unit.rank
+        if unit.replicate_group is not None:
+            for p, at in zip(self.params, self.starts):  # sums kept while the all_reduce was off
+                if p.partial is not None:
+                    mine.narrow(0, at, p.numel_on(r)).add_(p.partial.reshape(-1))
+                    p.partial = None
+            if not unit.all_reduce:
+                for p, at in zip(self.params, self.starts):
+                    p.partial = mine.narrow(0, at, p.numel_on(r))
+                return
+            mine = comm.all_reduce(mine, unit.replicate_group, unit.replicate_size, "sum", ())
+        mine.div_(unit.divide_factor)
+        for p, at in zip(self.params, self.starts):
+            piece = mine.narrow(0, at, p.numel_on(r)).view(p.shape_on(r))
+            stored = p.param
+            local = stored._local_tensor
+            if piece.dtype != local.dtype or piece.device != local.device:
+                piece = piece.to(device=local.device, dtype=local.dtype)
+            if stored.grad is None:
+                stored.grad = DTensor(piece, stored._spec, requires_grad=False)
+            else:
+                stored.grad._local_tensor.add_(piece)  # type: ignore[attr-defined]
+
+
+class _UnitGrad(torch.autograd.Function):
+    """Views of a unit's unsharded tensors; backward hands all their gradients to the unit at once."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: Unit, tracked: list[UnitParam], token: torch.Tensor,
+                *fulls: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.unit, ctx.tracked = unit, tracked
+        ctx.set_materialize_grads(False)
+        return tuple(f.view_as(f) for f in fulls)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        ctx.unit.on_backward(ctx.tracked, grads)
+        return (None, None, None) + (None,) * len(grads)
+
+
+class Unit:
+    """The parameters of one `fully_shard` call and their collectives."""
+
+    def __init__(self, name: str, params: list[UnitParam], mesh: DeviceMesh, shard_dim: int,
+                 replicate_dim: Optional[int], mp: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
+        self.name = name
+        self.params = params
+        self.mesh, self.shard_dim = mesh, shard_dim
+        self.group, self.size, self.rank = mesh.get_group(shard_dim), mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+        self.replicate_group = mesh.get_group(replicate_dim) if replicate_dim is not None else None
+        self.replicate_size = mesh.size(replicate_dim) if replicate_dim is not None else 1
+        self.divide_factor = float(self.size * self.replicate_size)
+        self.mp, self.offload = mp, offload
+        self.device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else _current(mesh.device_type)
+        self.sync = True  # set_requires_gradient_sync
+        self.all_reduce = True  # set_requires_all_reduce (HSDP)
+        self.gathered = False
+        self.inflight: list[tuple[list[UnitParam], comm.Started]] = []
+        self.on_backward: Any = None  # the state's post-backward, called with the unit's gradients
+        self.token = torch.empty(0, requires_grad=True)  # makes the views require grad
+        by_dtype: dict[torch.dtype, list[UnitParam]] = {}
+        for p in params:
+            by_dtype.setdefault(p.param.dtype, []).append(p)
+        self.buckets = list(by_dtype.values())
+
+    # -- gather -------------------------------------------------------------------------
+    def gather_dtype(self, p: UnitParam) -> torch.dtype:
+        return self.mp.param_dtype or p.param.dtype
+
+    def start_gather(self) -> None:
+        """Issue this unit's all_gather (one per dtype) without waiting; no-op when gathered or issued."""
+        if self.gathered or self.inflight:
+            return
+        for bucket in self.buckets:
+            dtype = self.gather_dtype(bucket[0])
+            totals, _ = _packing(bucket, self.size)
+            send = torch.cat([p.param._local_tensor.reshape(-1) for p in bucket])
+            send = send.to(device=self.device, dtype=dtype, non_blocking=True)
+            collective = comm.AllGather(group=self.group, size=self.size, shape=(totals[self.rank],), dtype=dtype,
+                                        tensor_dim=0, pieces=totals, mesh_dims=(self.shard_dim,))
+            self.inflight.append((bucket, comm.start(collective, send)))
+
+    def unshard(self) -> None:
+        """Every parameter's unsharded tensor filled (waiting for a prefetch if one is in flight)."""
+        if self.gathered:
+            return
+        self.start_gather()
+        for bucket, started in self.inflight:
+            flat = started.result()
+            totals, starts = _packing(bucket, self.size)
+            ranks = torch.split(flat, list(totals))
+            with torch.no_grad():
+                for i, p in enumerate(bucket):
+                    pieces = [ranks[q].narrow(0, starts[q][i], p.numel_on(q)).view(p.shape_on(q))
+                              for q in range(self.size)]
+                    full = self._storage_for(p, flat.dtype)
+                    with _unsafe_preserve_version_counter(full):
+                        torch.cat(pieces, dim=p.dim, out=full)
+        self.inflight = []
+        self.gathered = True
+
+    def _storage_for(self, p: UnitParam, dtype: torch.dtype) -> torch.Tensor:
+        full = p.full
+        if full is None or full.dtype != dtype:
+            full = p.full = torch.empty(p.full_shape, dtype=dtype, device=self.device)
+        else:
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+        return full
+
+    def reshard(self) -> None:
+        """Free the unsharded storage (the tensors stay for the next gather)."""
+        if self.inflight:  # a prefetch nobody used: wait for it so its buffers can go
+            self.unshard()
+        if not self.gathered:
+            return
+        for p in self.params:
+            if p.full is not None:
+                p.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # -- compute views --------------------------------------------------------------------
+    def views(self) -> list[torch.Tensor]:
+        """What the forward computes with, per parameter: a view of its unsharded tensor (made
+        a DTensor on the tp mesh where it was one), tracked for backward when it needs a gradient."""
+        outs: list[torch.Tensor] = [p.full for p in self.params]  # type: ignore[misc]
+        if torch.is_grad_enabled():
+            tracked = [i for i, p in enumerate(self.params) if p.param.requires_grad]
+            if tracked:
+                made = _UnitGrad.apply(self, [self.params[i] for i in tracked], self.token,  # type: ignore[no-untyped-call]
+                                       *(outs[i] for i in tracked))
+                for i, view in zip(tracked, made):
+                    outs[i] = view
+        for i, p in enumerate(self.params):
+            if p.tp is not None:
+                meta = p.tp.meta
+                outs[i] = DTensor.from_local(outs[i], p.tp.mesh, p.tp.placements, shape=meta.shape,
+                                             stride=meta.stride, shard_order=p.tp.shard_order)
+        return outs
+
+    # -- reduce ---------------------------------------------------------------------------
+    def reduce(self, params: list[UnitParam], grads: Sequence[Optional[torch.Tensor]]) -> list[Reduction]:
+        """Start the reduce_scatter of `grads` (one per param, None when unused), or keep them
+        unsharded while gradient sync is off."""
+        grads = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+        if not self.sync:
+            for p, g in zip(params, grads):
+                if g is not None:
+                    p.unsynced = g.clone() if p.unsynced is None else p.unsynced.add_(g)
+            return []
+        out = []
+        for bucket in self.buckets:
+            members = [(p, g) for p, g in zip(params, grads) if p in bucket]
+            if not members:
+                continue
+            chosen = [p for p, _ in members]
+            dtype = self.mp.reduce_dtype or self.mp.param_dtype or chosen[0].param.dtype
+            totals, starts = _packing(chosen, self.size)
+            packed = torch.empty(sum(totals), dtype=dtype, device=self.device)
+            ranks = torch.split(packed, list(totals))
+            for i, (p, g) in enumerate(members):
+                if p.unsynced is not None:
+                    g = p.unsynced if g is None else p.unsynced.add_(g)
+                    p.unsynced = None
+                pieces = p.split(g) if g is not None else [None] * self.size
+                for q, piece in enumerate(pieces):
+                    slot = ranks[q].narrow(0, starts[q][i], p.numel_on(q)).view(p.shape_on(q))
+                    slot.zero_() if piece is None else slot.copy_(piece)
+            collective = comm.ReduceScatter(group=self.group, size=self.size, shape=(sum(totals),), dtype=dtype,
+                                            tensor_dim=0, pieces=totals, index=self.rank, op="sum",
+                                            mesh_dims=(self.shard_dim,))
+            out.append(Reduction(self, chosen, comm.start(collective, packed), starts[self.rank]))
+        return out
+
+
+def _current(device_type: str) -> torch.device:
+    module = getattr(torch, device_type, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    return torch.device(device_type, index)
+
+
+def offloads(policy: OffloadPolicy) -> bool:
+    return isinstance(policy, CPUOffloadPolicy)

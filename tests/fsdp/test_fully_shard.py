@@ -1,0 +1,180 @@
+"""`shardwise.fsdp.fully_shard` against torch's `fully_shard` and one process.
+
+The same training program (pre-norm MLP blocks, AdamW, 5 steps, each rank its own slice
+of the batch) runs through `torch.distributed.fsdp` and through `shardwise.fsdp` in the
+same 4 gloo processes; every parameter must end equal between them and to one process
+training on the whole batch (float64: 1e-10). A width of 10 does not divide by 4: the
+last rank's pieces are smaller.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from shardwise.testing import distributed
+
+WIDTH, HIDDEN, DEPTH, ROWS = 10, 18, 4, 2
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _model(dtype: torch.dtype = torch.float64) -> Net:
+    torch.manual_seed(0)
+    return Net().to(dtype)
+
+
+def _batches(world: int, dtype: torch.dtype, steps: int = 5) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(world * ROWS, 6, generator=g).to(dtype) for _ in range(steps)]
+
+
+def _train(model: nn.Module, batches: list[torch.Tensor], rows: slice, step: Callable[..., Any] | None = None) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    for x in batches:
+        loss = model(x[rows]).square().mean()
+        loss.backward()
+        if step is not None:
+            step(model)
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def _torch_fsdp(model: nn.Module, mesh_shape: tuple[int, ...], **kwargs: Any) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    for block in model.blocks:
+        torch_fully_shard(block, mesh=mesh, **kwargs)
+    torch_fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _ours(model: nn.Module, mesh_shape: tuple[int, ...], **kwargs: Any) -> nn.Module:
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = sw.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    return model
+
+
+def _check(ours: nn.Module, theirs: nn.Module, one: nn.Module, tol: float) -> None:
+    for (name, p), (_, q), (_, r) in zip(ours.named_parameters(), theirs.named_parameters(), one.named_parameters()):
+        torch.testing.assert_close(_full(p), _full(q), atol=tol, rtol=0, msg=lambda m: f"{name} vs torch: {m}")
+        torch.testing.assert_close(_full(p), r.detach(), atol=tol, rtol=0, msg=lambda m: f"{name} vs one: {m}")
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+@pytest.mark.parametrize("reshard", [None, False, True])
+@distributed(world_size=4)
+def test_fully_shard_trains_as_torch_fsdp2_and_one_process(mesh_shape: tuple[int, ...], reshard: bool | None) -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    batches = _batches(4, torch.float64)
+    one = _model()
+    _train(one, batches, slice(None))
+    theirs = _torch_fsdp(_model(), mesh_shape, reshard_after_forward=reshard)
+    _train(theirs, batches, rows)
+    ours = _ours(_model(), mesh_shape, reshard_after_forward=reshard)
+    assert type(ours).__name__ == "FSDPNet" and isinstance(ours, FSDPModule) and isinstance(ours, Net)
+    assert type(ours.blocks[0]).__name__ == "FSDPBlock"
+    _train(ours, batches, rows)
+    _check(ours, theirs, one, 1e-10)
+    # stored sharded on dim 0 with torch.chunk pieces, names unchanged, as torch stores them
+    for (name, p), (tname, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert name == tname
+        assert p._local_tensor.shape == q._local_tensor.shape, name
+        assert [str(x) for x in p.placements] == [str(x) for x in q.placements], name
+    state = ours.state_dict()
+    assert set(state) == set(theirs.state_dict())
+    assert all(isinstance(v, sw.DTensor) for v in state.values())
+
+
+@distributed(world_size=4)
+def test_gradient_accumulation_without_sync_equals_one_step_on_the_whole_batch() -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    batches = _batches(4, torch.float64, steps=3)
+    one = _model()
+    _train(one, batches, slice(None))
+    ours = _ours(_model(), (4,))
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    for x in batches:
+        mine = x[rank * ROWS:(rank + 1) * ROWS]
+        for k in range(ROWS):  # one row per micro-step, reduced once at the last
+            ours.set_requires_gradient_sync(k == ROWS - 1)
+            (ours(mine[k:k + 1]).square().mean() / ROWS).backward()
+        opt.step()
+        opt.zero_grad()
+    for (name, p), (_, r) in zip(ours.named_parameters(), one.named_parameters()):
+        torch.testing.assert_close(_full(p), r.detach(), atol=1e-10, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@distributed(world_size=4)
+def test_one_all_gather_per_unit_per_pass_and_one_reduce_scatter_per_unit() -> None:
+    ours = _ours(_model(), (4,))
+    x = torch.randn(ROWS, 6, dtype=torch.float64)
+    ours(x).sum().backward()  # the first step records the forward order
+    with sw.comm_log() as log:
+        ours(x).sum().backward()
+    kinds = [r.op for r in log]
+    units = DEPTH + 1
+    # forward: every unit once; backward: the blocks again (resharded after forward), the root kept
+    assert kinds.count("all_gather") == units + DEPTH, kinds
+    assert kinds.count("reduce_scatter") == units, kinds
+    assert set(kinds) == {"all_gather", "reduce_scatter"}, kinds
+
+
+@distributed(world_size=4)
+def test_bad_input_names_the_module_the_value_and_the_fix() -> None:
+    mesh = sw.init_device_mesh("cpu", (4,))
+    model = _model()
+    fully_shard(model.blocks[0], mesh=mesh)
+    with pytest.raises(ValueError, match=r"Block is already in a unit .* call fully_shard once per module"):
+        fully_shard(model.blocks[0], mesh=mesh)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=3\): an int must be a divisor of the shard dim's size 4"):
+        fully_shard(model.blocks[1], mesh=mesh, reshard_after_forward=3)
+    with pytest.raises(ValueError, match=r"param_dtype=torch.int32\): .* must be a floating dtype"):
+        MixedPrecisionPolicy(param_dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"a 1-D mesh \(shard\) or a 2-D mesh"):
+        fully_shard(model.blocks[1], mesh=sw.init_device_mesh("cpu", (1, 2, 2)))
