@@ -178,3 +178,85 @@ def test_bad_input_names_the_module_the_value_and_the_fix() -> None:
         MixedPrecisionPolicy(param_dtype=torch.int32)
     with pytest.raises(ValueError, match=r"a 1-D mesh \(shard\) or a 2-D mesh"):
         fully_shard(model.blocks[1], mesh=sw.init_device_mesh("cpu", (1, 2, 2)))
+
+
+@distributed(world_size=4)
+def test_bf16_compute_with_fp32_reduction_equals_torch_fsdp2_under_the_same_policy() -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    rank = dist.get_rank()
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    batches = _batches(4, torch.float32)
+    theirs = _torch_fsdp(_model(torch.float32), (4,), mp_policy=TorchPolicy(torch.bfloat16, torch.float32))
+    _train(theirs, batches, rows)
+    ours = _ours(_model(torch.float32), (4,), mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    seen: list[torch.dtype] = []
+    ours.blocks[0].fc1.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    _train(ours, batches, rows)
+    assert seen and set(seen) == {torch.bfloat16}  # the forward computes in bf16
+    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert p.dtype == torch.float32 and p.grad is None  # the optimizer steps the float32 shards
+        torch.testing.assert_close(_full(p), _full(q), atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@distributed(world_size=4)
+def test_tensor_parallel_then_fully_shard_on_dp_trains_as_one_process() -> None:
+    # torchtitan's 2-D recipe: parallelize_module on mesh["tp"], then fully_shard on mesh["dp"]
+    import torch.distributed as dist
+
+    from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = dist.get_rank() // 2
+    rows = slice(dp * 2 * ROWS, (dp + 1) * 2 * ROWS)
+    batches = _batches(4, torch.float64)
+    one = _model()
+    _train(one, batches, slice(None))
+    ours = _model()
+    for block in ours.blocks:
+        parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(ours, mesh=mesh["dp"])
+    fc1 = ours.blocks[0].fc1.weight
+    assert fc1.device_mesh == mesh and [str(p) for p in fc1.placements] == ["S(0)", "S(0)"]
+    _train(ours, batches, rows)
+    for (name, p), (_, r) in zip(ours.named_parameters(), one.named_parameters()):
+        torch.testing.assert_close(_full(p), r.detach(), atol=1e-10, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@distributed(world_size=4)
+def test_reset_iter_state_after_a_failed_step_leaves_the_next_step_exact() -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    batches = _batches(4, torch.float64)
+    one = _model()
+    _train(one, batches, slice(None))
+    ours = _ours(_model(), (4,))
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=False)
+
+    def step(x: torch.Tensor) -> None:
+        ours(x[rows]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(batches[0])  # the forward order is known: prefetch runs in the failed step
+
+    def fail(grad: torch.Tensor) -> None:
+        raise RuntimeError("boom")
+
+    # backward fails halfway: block 3's reduction started, block 1 prefetched, the rest never ran
+    hook = ours.blocks[1].register_forward_hook(lambda m, a, out: [out.register_hook(fail), out][1])
+    with pytest.raises(RuntimeError, match="boom"):
+        ours(batches[1][rows]).square().mean().backward()
+    hook.remove()
+    ours.reset_iter_state()
+    for p in ours.parameters():
+        p.grad = None  # (the failed step's finished reductions are the user's to drop, as under torch)
+    for x in batches[1:]:
+        step(x)
+    for (name, p), (_, r) in zip(ours.named_parameters(), one.named_parameters()):
+        assert p.grad is None
+        torch.testing.assert_close(_full(p), r.detach(), atol=1e-10, rtol=0, msg=lambda m: f"{name}: {m}")
