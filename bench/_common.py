@@ -56,6 +56,7 @@ class Settings:
     redistribute_shape: tuple[int, int]
     mlp: tuple[int, int, int]  # (model dim, hidden dim, batch)
     gpt: tuple[int, int, int, int, int, int]  # (vocab, d_model, heads, seq, layers, batch)
+    fsdp: tuple[int, int, int]  # (pre-norm MLP blocks, width, rows per rank) of the sharded data parallel step
     timeout: float  # seconds a benchmark body may take on the workers
 
     def with_repeats(self, repeats: Optional[int]) -> "Settings":
@@ -75,6 +76,7 @@ FULL = Settings(
     redistribute_shape=(1024, 1024),
     mlp=(1024, 4096, 64),
     gpt=(256, 128, 4, 64, 4, 16),
+    fsdp=(16, 256, 16),
     timeout=600.0,
 )
 QUICK = Settings(
@@ -86,6 +88,7 @@ QUICK = Settings(
     redistribute_shape=(64, 64),
     mlp=(64, 256, 8),
     gpt=(64, 32, 4, 8, 2, 4),  # tests/models.py's GPTConfig() and batch
+    fsdp=(2, 16, 2),
     timeout=300.0,
 )
 

@@ -44,9 +44,20 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert len(machine["load_average_start"]) == 3 and len(machine["load_average_end"]) == 3
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
-    assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "checkpoint",
+    assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint",
                                          "collective_bookkeeping", "cross_mesh", "dry_run", "planner", "planner_quality",
                                          "planner_quality_llama"}
+
+
+def test_fsdp_rows_train_alike_with_one_collective_per_unit(quick_run: Any) -> None:
+    _, record = quick_run
+    rows = {r["who"]: r for r in record["benchmarks"]["fsdp"]["rows"]}
+    assert set(rows) == {"torch", "shardwise fully_shard", "data_parallel"}
+    for r in rows.values():
+        assert r["check"] == "ok", r
+        assert r["peak"] > 0 and isinstance(r["step_ms"], float), r
+    ours, theirs = rows["shardwise fully_shard"]["collective_counts"], rows["torch"]["collective_counts"]
+    assert ours == theirs == {"all_gather": 4, "reduce_scatter": 2}, (ours, theirs)  # 2 blocks: 2 forward + 2 backward
 
 
 def test_every_overhead_row_is_there_for_both_libraries(quick_run: Any) -> None:

@@ -277,13 +277,19 @@ class AllReduce(Collective):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReduceScatter(Collective):
     """Reduce over the group and keep piece `index` along `tensor_dim` (`pieces[j]` sizes).
-    The pieces are packed one after another (padded to the largest), not transposed."""
+    The pieces are packed one after another (padded to the largest), not transposed.
+
+    `donated`: the caller gives up `local` (a packed buffer it made for this). gloo's
+    reduce_scatter clones its input and all-reduces the clone; a donated contiguous CPU
+    buffer split along dim 0 is all-reduced in place instead and this rank's piece copied
+    out: the same collective on the wire, one whole buffer fewer at the peak."""
 
     kind: ClassVar[str] = "reduce_scatter"
     tensor_dim: int
     pieces: tuple[int, ...]
     index: int
     op: str
+    donated: bool = False
 
     @property
     def bytes_received(self) -> int:
@@ -291,6 +297,14 @@ class ReduceScatter(Collective):
 
     def issue(self, local: torch.Tensor, async_op: bool) -> Issued:
         d, pieces, n = self.tensor_dim, self.pieces, self.size
+        if self.donated and d == 0 and local.device.type == "cpu" and local.is_contiguous():
+            work = dist.all_reduce(local, op=_DIST_OPS[self.op], group=self.group, async_op=async_op)
+            start = sum(pieces[: self.index])
+
+            def finish_in_place() -> torch.Tensor:
+                return _finish_avg(local.narrow(0, start, pieces[self.index]).clone(), self.op, n)
+
+            return work, finish_in_place
         biggest = max(pieces)
         packed = _blocks(local, d, pieces, biggest)  # (n * biggest, ...) or (n, ..., biggest, ...)
         shape = _with(local.shape, d, biggest)

@@ -231,7 +231,7 @@ class Unit:
                     slot.zero_() if piece is None else slot.copy_(piece)
             collective = comm.ReduceScatter(group=self.group, size=self.size, shape=(sum(totals),), dtype=dtype,
                                             tensor_dim=0, pieces=totals, index=self.rank, op="sum",
-                                            mesh_dims=(self.shard_dim,))
+                                            mesh_dims=(self.shard_dim,), donated=True)
             out.append(Reduction(self, chosen, comm.start(collective, packed), starts[self.rank]))
         return out
 
