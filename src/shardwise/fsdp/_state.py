@@ -72,6 +72,7 @@ class Root:
         for state in self.states:
             state.backward_started = False
             state.open_nodes = 0
+            state._uninstall()
             if state.unit is not None and state.reshard_after_backward:
                 state.unit.reshard()
 
@@ -82,6 +83,7 @@ class Root:
         for state in self.states:
             state.backward_started = False
             state.open_nodes = 0
+            state._uninstall()
             if state.unit is not None:
                 state.unit.inflight = []
                 for p in state.unit.params:
@@ -185,6 +187,12 @@ class FSDPState:
         root.queue_end_of_backward()
         if self.unit is not None:
             self.unit.unshard()
+            # a checkpointed region recomputed inside the module's own forward reads the
+            # parameters without calling the module: put views where it reads them until the
+            # unit's backward is over (tracked, so a reentrant recomputation's gradients reach the unit)
+            with torch.enable_grad():
+                views = self.unit.views()
+            self._install(views)
         for target in self.backward_prefetch if self.backward_prefetch is not None else root.neighbour(self, -1):
             if target.unit is not None and not target.backward_started:
                 target.unit.start_gather()
@@ -196,8 +204,20 @@ class FSDPState:
         root.finish_reductions()
         root.pending.extend(self.unit.reduce(params, grads))
         self.open_nodes = max(self.open_nodes - 1, 0)
-        if self.reshard_after_backward and self.open_nodes == 0:
-            self.unit.reshard()
+        if self.open_nodes == 0:
+            self._uninstall()
+            if self.reshard_after_backward:
+                self.unit.reshard()
+
+    def _install(self, views: list[torch.Tensor]) -> None:
+        for slots in self.slots.values():
+            for i, owner, attr in slots:
+                owner.__dict__[attr] = views[i]
+
+    def _uninstall(self) -> None:
+        for slots in self.slots.values():
+            for _, owner, attr in slots:
+                owner.__dict__.pop(attr, None)
 
 
 def state_of(module: nn.Module) -> Optional[FSDPState]:
