@@ -48,3 +48,52 @@ def test_hf_llama_tp_then_fully_shard_per_layer_trains_as_one_process() -> None:
         assert abs(global_mean(got, mesh, "dp").item() - want.item()) <= TOL[torch.float64][0]
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.full_tensor(), p.detach(), atol=1e-10, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@distributed(world_size=4)
+def test_hf_llama_built_on_meta_materialises_only_shards_and_trains_as_one_process() -> None:
+    import transformers
+
+    from .test_meta_init import _peak_allocated
+
+    config = MODELS["llama (sdpa, GQA)"]().config
+    config.num_hidden_layers = 8  # deep enough that two layers are a quarter of the model
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], torch_style_plan(model))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+    def materialise() -> None:
+        model.to_empty(device="cpu")
+        sw.manual_seed(3)
+        model.init_weights()  # transformers' own init (and the rotary buffers)
+
+    peak = _peak_allocated(materialise)
+    model.double()
+    shards = sum(p._local_tensor.numel() * 4 for p in model.parameters())
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    assert peak <= shards + 2 * layer, (peak, shards, layer, whole)  # never the whole model
+    assert peak < whole * 0.6, (peak, shards, layer, whole)
+    reference = transformers.LlamaForCausalLM(config).double()
+    with torch.no_grad():
+        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+            p.copy_(q.full_tensor())
+    assert reference.model.layers[1].mlp.up_proj.weight.std() > 0.01  # drawn, not left empty
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    rows = slice(coordinate[0] * 2, coordinate[0] * 2 + 2)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (reference, model)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (4, 8), generator=g)
+        for loss, opt in ((reference(input_ids=ids, labels=ids).loss, opts[0]),
+                          (model(input_ids=ids[rows], labels=ids[rows]).loss, opts[1])):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.full_tensor(), p.detach(), atol=1e-10, rtol=0, msg=lambda m: f"{name}: {m}")
