@@ -117,12 +117,13 @@ class FSDPModule:
         self._fsdp_state().backward_prefetch = _states("set_modules_to_backward_prefetch", modules)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradients by `factor` instead of the number of data-parallel ranks."""
+        """Divide this module's summed gradients by `factor` instead of the number of data-parallel
+        ranks (this module's unit only, as torch's: call it on each FSDP module)."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor({factor!r}): a positive number (default: the dp size)")
-        for state in self._fsdp_states(True):
-            if state.unit is not None:
-                state.unit.divide_factor = float(factor)
+        unit = self._fsdp_state().unit
+        if unit is not None:
+            unit.divide_factor = float(factor)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         _check_bool("set_is_last_backward", is_last_backward)
