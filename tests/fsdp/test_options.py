@@ -144,3 +144,23 @@ def test_explicit_unshard_reshard_and_prefetch_lists() -> None:
 
     ours, theirs, one = _side_by_side((4,), options, before=prefetch_two)
     _check(ours, theirs, one, 1e-10)
+
+
+@distributed(world_size=4)
+def test_reshard_after_forward_to_a_group_of_two() -> None:
+    def options(who: str, model: nn.Module) -> dict[str, Any]:
+        return {"reshard_after_forward": 2}
+
+    ours, theirs, one = _side_by_side((4,), options)
+    _check(ours, theirs, one, 1e-10)
+    x = torch.randn(ROWS, 6, dtype=torch.float64)
+    with sw.comm_log() as log:
+        loss = ours(x).sum()
+    unit = ours.blocks[1]._shardwise_fsdp_state.unit
+    kept = next(p for p in unit.params if p.name == "fc1.weight")  # (18, 10): 9 rows kept of 18
+    assert kept.kept is not None and kept.kept.shape == (9, 10)
+    with sw.comm_log() as backward:
+        loss.backward()
+    assert [r.group_size for r in log if r.op == "all_gather"] == [4] * 5  # the root and 4 blocks
+    gathers = [r.group_size for r in backward if r.op == "all_gather"]
+    assert gathers == [2] * 5, gathers  # every unit again (the int was given to the root too), over its pair only

@@ -45,8 +45,8 @@ def fully_shard(
     `reshard_after_forward`: True frees the gathered parameters after forward and gathers
     them again in backward; False keeps them until the end of backward; None (default) is
     True for every module but the root (the first whose forward runs), False for the root;
-    an int must divide the shard dim's size (1 < int < size) and is accepted as True (the
-    backward gather stays over the whole shard dim). `shard_placement_fn(param)` may return
+    an int k (1 < k < the shard dim's size, dividing it) keeps each rank's 1/k piece after
+    forward, so backward gathers over groups of k consecutive ranks only. `shard_placement_fn(param)` may return
     a `Shard(dim)` to shard another tensor dim (None: dim 0). `ignored_params` stay as they
     are: not sharded, not reduced.
     """
@@ -75,6 +75,8 @@ def fully_shard(
         raise ValueError(f"{where} cannot shard these parameters:\n  - " + "\n  - ".join(problems))
     name = type(modules[0]).__name__
     unit = Unit(name, params, mesh, shard_dim, 0 if mesh.ndim == 2 else None, mp_policy, offload_policy) if params else None
+    if unit is not None and not isinstance(reshard, bool):
+        unit.small = _small_group(mesh, shard_dim, reshard)
     state = FSDPState(modules, unit, mp_policy, reshard, auto)
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)
@@ -101,6 +103,18 @@ def _the_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:
     if mesh.get_coordinate() is None:
         raise ValueError(f"fully_shard: this rank is not part of {mesh!r}: build the mesh over the ranks that train")
     return mesh
+
+
+def _small_group(mesh: DeviceMesh, shard_dim: int, k: int) -> tuple[Any, int, int]:
+    """The group of `k` consecutive ranks of the shard dim this rank is in (made over the whole
+    mesh this one was sliced from, so every rank makes the same groups)."""
+    root, dims = mesh._sliced_from or (mesh, tuple(range(mesh.ndim)))
+    d = dims[shard_dim]
+    grid = root.mesh
+    shape = list(grid.shape)
+    shape[d:d + 1] = [shape[d] // k, k]
+    small = DeviceMesh(root.device_type, grid.reshape(shape))
+    return small.get_group(d + 1), k, small.get_local_rank(d + 1)
 
 
 def _check_reshard(value: Optional[Union[bool, int]], mesh: DeviceMesh) -> tuple[Union[bool, int], bool]:

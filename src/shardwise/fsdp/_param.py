@@ -43,9 +43,12 @@ class TensorParallel:
     meta: TensorMeta
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class UnitParam:
     """A stored parameter, where modules read it, and the unsharded tensor the unit gathers into."""
+
+    def __repr__(self) -> str:  # (never the tensors: a freed unsharded tensor has no storage to print)
+        return f"UnitParam({self.name!r}, full_shape={self.full_shape}, dim={self.dim}, sizes={self.sizes})"
 
     name: str
     owners: list[tuple[nn.Module, str]]  # (module, attribute) of every place it is registered
@@ -56,6 +59,7 @@ class UnitParam:
     full: Optional[torch.Tensor] = None  # the unsharded tensor; its storage is freed, not the tensor
     unsynced: Optional[torch.Tensor] = None  # unsharded gradient summed while gradient sync is off
     partial: Optional[torch.Tensor] = None  # HSDP: this rank's reduce-scattered sum, not yet all-reduced
+    kept: Optional[torch.Tensor] = None  # reshard_after_forward=int: this rank's piece of the smaller group
 
     @property
     def param(self) -> DTensor:
@@ -71,6 +75,13 @@ class UnitParam:
 
     def numel_on(self, rank: int) -> int:
         return math.prod(self.shape_on(rank))
+
+    def piece(self, parts: int, index: int) -> tuple[int, int, tuple[int, ...]]:
+        """(start, length, shape) of piece `index` of the unsharded tensor cut into `parts` along `dim`."""
+        start, length = chunk_range(self.full_shape[self.dim], parts, index)
+        shape = list(self.full_shape)
+        shape[self.dim] = length
+        return start, length, tuple(shape)
 
     def split(self, grad: torch.Tensor) -> list[torch.Tensor]:
         """`grad` (the full shape) cut into the shard ranks' pieces along `dim`."""

@@ -167,7 +167,10 @@ class FSDPState:
             for _, owner, attr in self.slots[module]:
                 owner.__dict__.pop(attr, None)
             if not _in_backward() and self.reshard_after_forward is not False:
-                self.unit.reshard()
+                if self.reshard_after_forward is True or self.unit.small is None:
+                    self.unit.reshard()
+                else:  # an int: keep this rank's piece of a smaller group, gathered over it in backward
+                    self.unit.reshard_to_small_group()
         if not _in_backward() and torch.is_grad_enabled():
             flat, _ = tree_flatten(output)
             for t in flat:

@@ -20,6 +20,7 @@ the moment the unit's backward is over, so the reduction starts there.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -37,14 +38,15 @@ from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 __all__ = ["Reduction", "Unit"]
 
 
-def _packing(params: Sequence[UnitParam], n: int) -> tuple[tuple[int, ...], list[list[int]]]:
-    """(each rank's packed length, each rank's start of each parameter's piece)."""
+def _packing(params: Sequence[UnitParam], n: int, even: bool = False) -> tuple[tuple[int, ...], list[list[int]]]:
+    """(each rank's packed length, each rank's start of each parameter's piece): the stored
+    pieces, or (`even`) the unsharded tensors cut into `n` torch.chunk pieces."""
     totals, starts = [], []
     for q in range(n):
         at, row = 0, []
         for p in params:
             row.append(at)
-            at += p.numel_on(q)
+            at += math.prod(p.piece(n, q)[2]) if even else p.numel_on(q)
         totals.append(at)
         starts.append(row)
     return tuple(totals), starts
@@ -120,6 +122,9 @@ class Unit:
         self.all_reduce = True  # set_requires_all_reduce (HSDP)
         self.gathered = False
         self.inflight: list[tuple[list[UnitParam], comm.Started]] = []
+        # reshard_after_forward=int: the smaller group each rank keeps its piece over between forward and backward
+        self.small: Optional[tuple[Any, int, int]] = None  # (group, size, this rank's index)
+        self.kept = False  # the params hold their `kept` pieces of the small group
         self.on_backward: Any = None  # the state's post-backward, called with the unit's gradients
         self.token = torch.empty(0, requires_grad=True)  # makes the views require grad
         by_dtype: dict[torch.dtype, list[UnitParam]] = {}
@@ -131,16 +136,27 @@ class Unit:
     def gather_dtype(self, p: UnitParam) -> torch.dtype:
         return self.mp.param_dtype or p.param.dtype
 
+    def _source(self) -> tuple[Any, int, int]:
+        """(group, size, this rank's index) of the gather: the small group while pieces are kept."""
+        if self.kept:
+            assert self.small is not None
+            return self.small
+        return self.group, self.size, self.rank
+
     def start_gather(self) -> None:
         """Issue this unit's all_gather (one per dtype) without waiting; no-op when gathered or issued."""
         if self.gathered or self.inflight:
             return
+        group, size, rank = self._source()
         for bucket in self.buckets:
             dtype = self.gather_dtype(bucket[0])
-            totals, _ = _packing(bucket, self.size)
-            send = torch.cat([p.param._local_tensor.reshape(-1) for p in bucket])
-            send = send.to(device=self.device, dtype=dtype, non_blocking=True)
-            collective = comm.AllGather(group=self.group, size=self.size, shape=(totals[self.rank],), dtype=dtype,
+            totals, _ = _packing(bucket, size, self.kept)
+            if self.kept:
+                send = torch.cat([p.kept.reshape(-1) for p in bucket])  # type: ignore[union-attr]
+            else:
+                send = torch.cat([p.param._local_tensor.reshape(-1) for p in bucket])
+                send = send.to(device=self.device, dtype=dtype, non_blocking=True)
+            collective = comm.AllGather(group=group, size=size, shape=(totals[rank],), dtype=dtype,
                                         tensor_dim=0, pieces=totals, mesh_dims=(self.shard_dim,))
             self.inflight.append((bucket, comm.start(collective, send)))
 
@@ -149,19 +165,43 @@ class Unit:
         if self.gathered:
             return
         self.start_gather()
+        _, size, _ = self._source()
         for bucket, started in self.inflight:
             flat = started.result()
-            totals, starts = _packing(bucket, self.size)
+            totals, starts = _packing(bucket, size, self.kept)
             ranks = torch.split(flat, list(totals))
             with torch.no_grad():
                 for i, p in enumerate(bucket):
-                    pieces = [ranks[q].narrow(0, starts[q][i], p.numel_on(q)).view(p.shape_on(q))
-                              for q in range(self.size)]
+                    shapes = [p.piece(size, q)[2] if self.kept else p.shape_on(q) for q in range(size)]
+                    pieces = [ranks[q].narrow(0, starts[q][i], math.prod(shapes[q])).view(shapes[q])
+                              for q in range(size)]
                     full = self._storage_for(p, flat.dtype)
                     with _unsafe_preserve_version_counter(full):
                         torch.cat(pieces, dim=p.dim, out=full)
         self.inflight = []
         self.gathered = True
+        if self.kept:
+            for p in self.params:
+                p.kept = None
+            self.kept = False
+
+    def reshard_to_small_group(self) -> None:
+        """Keep this rank's piece of the small group (reshard_after_forward=int) and free the rest."""
+        assert self.small is not None
+        if self.inflight:
+            self.unshard()
+        if not self.gathered:
+            return
+        _, size, index = self.small
+        for p in self.params:
+            assert p.full is not None
+            start, length, _ = p.piece(size, index)
+            p.kept = p.full.narrow(p.dim, start, length).clone(memory_format=torch.contiguous_format)
+        self.kept = True
+        for p in self.params:
+            if p.full is not None:
+                p.full.untyped_storage().resize_(0)
+        self.gathered = False
 
     def _storage_for(self, p: UnitParam, dtype: torch.dtype) -> torch.Tensor:
         full = p.full
@@ -175,6 +215,9 @@ class Unit:
         """Free the unsharded storage (the tensors stay for the next gather)."""
         if self.inflight:  # a prefetch nobody used: wait for it so its buffers can go
             self.unshard()
+        for p in self.params:
+            p.kept = None
+        self.kept = False
         if not self.gathered:
             return
         for p in self.params:
