@@ -176,6 +176,8 @@ def test_bad_input_names_the_module_the_value_and_the_fix() -> None:
         fully_shard(model.blocks[1], mesh=mesh, reshard_after_forward=3)
     with pytest.raises(ValueError, match=r"param_dtype=torch.int32\): .* must be a floating dtype"):
         MixedPrecisionPolicy(param_dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"deepcopy\(FSDPBlock\): a module given to fully_shard cannot be copied"):
+        copy.deepcopy(model.blocks[0])
     with pytest.raises(ValueError, match=r"a 1-D mesh \(shard\) or a 2-D mesh"):
         fully_shard(model.blocks[1], mesh=sw.init_device_mesh("cpu", (1, 2, 2)))
 

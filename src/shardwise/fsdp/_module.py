@@ -47,6 +47,13 @@ class FSDPModule:
         made.__init__(*args, **kwargs)  # type: ignore[misc]
         return made
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError(
+            f"copy.deepcopy({type(self).__name__}): a module given to fully_shard cannot be copied (its units hold "
+            f"process groups and freed unsharded storage): deep-copy the model before fully_shard, or copy its "
+            f"state_dict() into a new model"
+        )
+
     def _fsdp_state(self) -> FSDPState:
         state = state_of(self)  # type: ignore[arg-type]
         if state is None:
