@@ -6,7 +6,9 @@ rows; every block a unit, then the model (torch's recipe, the same calls for bot
 steady-state step (resident shards + optimizer state + batch, plus the highest point of
 the allocator's running sum during the step, as `memory.py` counts it), the median step
 time (timed in rotating alternation after a barrier), and the collectives of one step
-(shardwise's from its comm log, torch's by counting its `torch.distributed` calls).
+(shardwise's from its comm log, torch's by counting its `torch.distributed` calls); then the
+host-side pieces alone: a forward under no_grad (every unit's pre-forward gather) and the
+AdamW step (torch's default implementation choice for each library's DTensors).
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def body(settings: Settings) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     steps: dict[str, Callable[[], None]] = {}
     models: dict[str, nn.Module] = {}
+    optimizers: dict[str, torch.optim.Optimizer] = {}
     for who in WHO:
         model = _shard(who, copy.deepcopy(base))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -133,12 +136,23 @@ def body(settings: Settings) -> dict[str, dict[str, Any]]:
                     "collectives": dict(counts)}
         steps[who] = step
         models[who] = model
+        optimizers[who] = opt
     with quiet():
         samples = interleaved(steps, settings.repeats, before=dist.barrier)
+        # host-side costs: a forward (the pre-forward hooks gather every unit), and the optimizer step alone
+        with torch.no_grad():
+            forwards = interleaved({who: (lambda m=models[who]: m(x)) for who in WHO}, settings.repeats,
+                                   before=dist.barrier)
+        for who in WHO:
+            models[who](x).square().mean().backward()
+        optimizer_steps = interleaved({who: optimizers[who].step for who in WHO}, settings.repeats,
+                                      before=dist.barrier)
     # every contender took the same steps on the same rows: the same parameters, or the row says WRONG
     finals = {who: [p.full_tensor() for p in models[who].parameters()] for who in WHO}
     for who in WHO:
         out[who]["seconds"] = samples[who]
+        out[who]["forward_seconds"] = forwards[who]
+        out[who]["optimizer_seconds"] = optimizer_steps[who]
         same = all(close(a, b) for a, b in zip(finals[who], finals["torch"]))
         out[who]["check"] = "ok" if same else "WRONG"
     return out
@@ -156,6 +170,7 @@ def run(settings: Settings) -> list[Table]:
         [Column("who", "who"), Column("resident_mib", "resident", ".2f"), Column("step_extra_mib", "step extra", ".2f"),
          Column("peak_mib", "peak", ".2f"), Column("peak_vs_torch", "peak / torch", ".2f"),
          Column("step_ms", "step ms", ".1f"), Column("time_vs_torch", "time / torch", ".2f"),
+         Column("forward_ms", "forward ms (no grad)", ".1f"), Column("optimizer_ms", "AdamW ms", ".1f"),
          Column("collectives", "collectives per step"), Column("check", "check")],
     )
     medians = {who: per_repeat_max_median([r[who]["seconds"] for r in per_rank]) for who in WHO}
@@ -166,6 +181,9 @@ def run(settings: Settings) -> list[Table]:
             row[key] = max(r[who][key] for r in per_rank)
             row[f"{key}_mib"] = row[key] / 2**20
         row["peak_vs_torch"] = ratio(peaks[who], peaks["torch"])
+        for key in ("forward", "optimizer"):
+            value = per_repeat_max_median([r[who][f"{key}_seconds"] for r in per_rank])
+            row[f"{key}_ms"] = None if value is None else value * 1e3
         seconds = medians[who]
         row["step_ms"] = None if seconds is None else seconds * 1e3
         row["time_vs_torch"] = ratio(seconds, medians["torch"])
