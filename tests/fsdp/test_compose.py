@@ -1,8 +1,11 @@
 """`fully_shard` with what a training loop wraps around it: gradient clipping, foreach / fused
-AdamW, activation checkpointing, checkpoints saved on one mesh and loaded on another."""
+AdamW, activation checkpointing, checkpoints saved on one mesh and loaded on another, a dry run."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -103,3 +106,33 @@ def test_a_checkpoint_saved_on_4_ranks_loads_onto_an_hsdp_mesh(tmp_path_factory:
         assert [str(x) for x in p.placements] == ["R", "S(0)"], name
         assert torch.equal(_full(p), _full(q)), name
     assert torch.equal(hsdp(x), flat(x))
+
+
+def test_dry_run_of_a_fully_sharded_llama_on_an_abstract_mesh_counts_one_collective_per_unit_and_pass() -> None:
+    # planning an 8-rank fully_shard step on one process: no process group, meta tensors
+    transformers = pytest.importorskip("transformers")
+    from shardwise.debug import dry_run
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    mesh = sw.AbstractMesh((8,), ("dp",))
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    report = dry_run(step, model, opt, torch.randint(0, 256, (1, 32)), mesh=mesh)
+    text = str(report)
+    # 5 units (4 layers + the root) gathered in forward, the 4 layers again in backward, 5 reduce_scatters
+    assert re.search(r"forward\s+all_gather\s+dp\s+5\b", text), text[:600]
+    assert re.search(r"backward\s+all_gather\s+dp\s+4\b", text), text[:600]
+    assert re.search(r"backward\s+reduce_scatter\s+dp\s+5\b", text), text[:600]
+    layer = model.model.layers[0].mlp.up_proj.weight
+    assert layer._local_tensor.is_meta and layer._local_tensor.shape == (16, 64)  # 128 rows over 8 ranks

@@ -175,7 +175,7 @@ class Unit:
                     shapes = [p.piece(size, q)[2] if self.kept else p.shape_on(q) for q in range(size)]
                     pieces = [ranks[q].narrow(0, starts[q][i], math.prod(shapes[q])).view(shapes[q])
                               for q in range(size)]
-                    full = self._storage_for(p, flat.dtype)
+                    full = self._storage_for(p, flat.dtype, flat.device)
                     with _unsafe_preserve_version_counter(full):
                         torch.cat(pieces, dim=p.dim, out=full)
         self.inflight = []
@@ -203,10 +203,11 @@ class Unit:
                 p.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def _storage_for(self, p: UnitParam, dtype: torch.dtype) -> torch.Tensor:
+    def _storage_for(self, p: UnitParam, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The unsharded tensor to gather into, where the gather landed (meta in a dry run)."""
         full = p.full
-        if full is None or full.dtype != dtype:
-            full = p.full = torch.empty(p.full_shape, dtype=dtype, device=self.device)
+        if full is None or full.dtype != dtype or full.device != device:
+            full = p.full = torch.empty(p.full_shape, dtype=dtype, device=device)
         else:
             full.untyped_storage().resize_(full.numel() * full.element_size())
         return full
