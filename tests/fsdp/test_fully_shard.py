@@ -178,6 +178,15 @@ def test_bad_input_names_the_module_the_value_and_the_fix() -> None:
         MixedPrecisionPolicy(param_dtype=torch.int32)
     with pytest.raises(TypeError, match=r"deepcopy\(FSDPBlock\): a module given to fully_shard cannot be copied"):
         copy.deepcopy(model.blocks[0])
+    # a weight tied across two calls would become two copies that drift apart: refused, nothing changed
+    tied = _model()
+    tied.head.weight = tied.blocks[1].fc2.weight  # (no forward here: only the tie matters)
+    fully_shard(tied.blocks[1], mesh=mesh)
+    before = [type(p) for p in tied.parameters()]
+    with pytest.raises(ValueError, match=r"head.weight is the parameter Block.fc2.weight that an earlier fully_shard "
+                                         r"call took \(a tied weight\)"):
+        fully_shard(tied, mesh=mesh)
+    assert [type(p) for p in tied.parameters()] == before  # nothing was sharded by the refused call
     with pytest.raises(ValueError, match=r"a 1-D mesh \(shard\) or a 2-D mesh"):
         fully_shard(model.blocks[1], mesh=sw.init_device_mesh("cpu", (1, 2, 2)))
 

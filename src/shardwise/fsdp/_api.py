@@ -22,7 +22,7 @@ from .._mesh import DeviceMesh, init_device_mesh
 from .._mesh_dry import as_device_mesh
 from .._placement import Shard
 from ._module import fsdp_class
-from ._param import UnitParam, place
+from ._param import UnitParam, place, register
 from ._policy import MixedPrecisionPolicy, OffloadPolicy
 from ._state import STATE_ATTR, FSDPState, state_of
 from ._unit import Unit
@@ -146,8 +146,17 @@ def _take(modules: list[nn.Module], mesh: DeviceMesh, shard_dim: int,
                 name = f"{prefix}.{attr}" if prefix else attr
                 owners.setdefault(id(found), (name, found, []))[2].append((owner, attr))
     params: list[UnitParam] = []
+    placed: list[tuple[UnitParam, nn.Parameter]] = []
     problems: list[str] = []
     for name, p, where in owners.values():
+        taken = getattr(p, _TAKEN, None)
+        if taken is not None:  # shared with a module an earlier call took: it would be trained twice, untied
+            problems.append(
+                f"{name} is the parameter {taken} that an earlier fully_shard call took (a tied weight): each unit "
+                f"would shard its own copy and the two would drift apart. Give the modules that share it to one "
+                f"fully_shard call (a list of modules), or leave both to their parent's call"
+            )
+            continue
         placement = shard_placement_fn(p) if shard_placement_fn is not None else None  # type: ignore[arg-type]
         if placement is None:
             placement = Shard(0)
@@ -162,8 +171,17 @@ def _take(modules: list[nn.Module], mesh: DeviceMesh, shard_dim: int,
         if isinstance(made, str):
             problems.append(made)
         else:
-            params.append(made)
+            placed.append(made)
+    if not problems:  # nothing changes unless every parameter can be sharded
+        for unit_param, stored in placed:
+            register(unit_param, stored)
+            params.append(unit_param)
+        for name, p, _ in owners.values():
+            setattr(p, _TAKEN, f"{type(modules[0]).__name__}.{name}")
     return params, problems
+
+
+_TAKEN = "_shardwise_fsdp_taken"  # set on a parameter fully_shard replaced: where it went
 
 
 def _unclaimed(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -30,7 +30,7 @@ from .._placement import Placement, Replicate, Shard, _StridedShard
 from .._spec import DTensorSpec, TensorMeta
 from .._tensor import DTensor
 
-__all__ = ["TensorParallel", "UnitParam", "place"]
+__all__ = ["TensorParallel", "UnitParam", "place", "register"]
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,11 @@ class UnitParam:
 
 
 def place(name: str, p: torch.Tensor, mesh: DeviceMesh, shard_dim: int, placement: Shard,
-          owners: list[tuple[nn.Module, str]]) -> UnitParam | str:
-    """Store `p` sharded on mesh dim `shard_dim` of `mesh` (the fully_shard mesh), or a
-    problem naming the parameter and the fix. No communication: every rank keeps its own
-    `torch.chunk` piece of the values it already holds (seed the ranks alike, as under torch)."""
+          owners: list[tuple[nn.Module, str]]) -> tuple[UnitParam, nn.Parameter] | str:
+    """`p` sharded on mesh dim `shard_dim` of `mesh` (the fully_shard mesh) and the unit's record
+    of it (`register` puts it in place), or a problem naming the parameter and the fix. No
+    communication: every rank keeps its own `torch.chunk` piece of the values it already holds
+    (seed the ranks alike, as under torch)."""
     n, r = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     k = placement.dim % max(p.ndim, 1) if p.ndim else 0
     if p.ndim == 0:
@@ -118,9 +119,13 @@ def place(name: str, p: torch.Tensor, mesh: DeviceMesh, shard_dim: int, placemen
         piece = local.narrow(k, start, length).clone(memory_format=torch.contiguous_format)
     spec = DTensorSpec(param_mesh, placements, meta, order)
     stored = nn.Parameter(DTensor(piece, spec, requires_grad=False), requires_grad=p.requires_grad)
-    for owner, attr in owners:
+    return UnitParam(name, owners, k, full_shape, sizes, tp), stored
+
+
+def register(unit_param: UnitParam, stored: nn.Parameter) -> None:
+    """Put the sharded parameter where every owner registered the original."""
+    for owner, attr in unit_param.owners:
         owner._parameters[attr] = stored
-    return UnitParam(name, owners, k, full_shape, sizes, tp)
 
 
 def _with_tensor_parallel(name: str, p: DTensor, mesh: DeviceMesh, shard_dim: int, k: int
