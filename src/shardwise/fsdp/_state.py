@@ -42,6 +42,7 @@ class Root:
         self.states = states
         self.order: list[FSDPState] = []  # states with a unit, in the order their forward first ran
         self.recording = True
+        self.index: dict[FSDPState, int] = {}
         self.pending: list[Reduction] = []
         self.queued_task: Optional[int] = None
 
@@ -49,11 +50,16 @@ class Root:
         if self.recording and state.unit is not None and state not in self.order:
             self.order.append(state)
 
+    def stop_recording(self) -> None:
+        self.recording = False
+        self.index = {state: i for i, state in enumerate(self.order)}
+
     def neighbour(self, state: FSDPState, step: int) -> list[FSDPState]:
-        if self.recording or state not in self.order:
+        """The unit `step` places after `state` in forward order (none while the order is being learnt)."""
+        i = self.index.get(state)
+        if i is None or not 0 <= i + step < len(self.order):
             return []
-        i = self.order.index(state) + step
-        return [self.order[i]] if 0 <= i < len(self.order) else []
+        return [self.order[i + step]]
 
     def finish_reductions(self) -> None:
         pending, self.pending = self.pending, []
@@ -145,7 +151,7 @@ class FSDPState:
         assert root is not None
         recomputing = _in_backward()
         if self.is_root and not recomputing and root.recording and root.order:
-            root.recording = False  # the second forward of the root: the order is known
+            root.stop_recording()  # the second forward of the root: the order is known
         if self.unit is not None:
             self.unit.unshard()
             views = self.unit.views()
