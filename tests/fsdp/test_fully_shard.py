@@ -124,7 +124,9 @@ def test_fully_shard_trains_as_torch_fsdp2_and_one_process(mesh_shape: tuple[int
         assert name == tname
         assert p._local_tensor.shape == q._local_tensor.shape, name
         assert [str(x) for x in p.placements] == [str(x) for x in q.placements], name
-    state = ours.state_dict()
+    with sw.comm_log() as log:
+        state = ours.state_dict()
+    assert not log  # sharded, without communication
     assert set(state) == set(theirs.state_dict())
     assert all(isinstance(v, sw.DTensor) for v in state.values())
 
