@@ -68,7 +68,7 @@ def test_hf_llama_built_on_meta_materialises_only_shards_and_trains_as_one_proce
 
     def materialise() -> None:
         model.to_empty(device="cpu")
-        sw.manual_seed(3)
+        torch.manual_seed(3)  # (governs shardwise's draws too)
         model.init_weights()  # transformers' own init (and the rotary buffers)
 
     peak = _peak_allocated(materialise)

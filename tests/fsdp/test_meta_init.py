@@ -48,7 +48,7 @@ def _materialised(mesh_shape: tuple[int, ...], depth: int = 4) -> tuple[Net, int
 
     def materialise() -> None:
         model.to_empty(device="cpu")
-        sw.manual_seed(7)
+        torch.manual_seed(7)  # (governs shardwise's draws; sw.manual_seed would switch the process for good)
         with torch.no_grad():
             for m in model.modules():
                 if hasattr(m, "reset_parameters"):

@@ -135,7 +135,7 @@ def _with_tensor_parallel(name: str, p: DTensor, mesh: DeviceMesh, shard_dim: in
     root = mesh._sliced_from[0] if mesh._sliced_from else mesh
     tp_root = tp_mesh._sliced_from[0] if tp_mesh._sliced_from else tp_mesh
     names = root.mesh_dim_names
-    if root is not tp_root or names is None or mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+    if root != tp_root or names is None or mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
         return mesh, (f"{name} is a DTensor on {tp_mesh!r}, but fully_shard's mesh is {mesh!r}: both must be "
                       f"named sub-meshes of one mesh (init_device_mesh(..., mesh_dim_names=('dp', 'tp')); "
                       f"parallelize on mesh['tp'], fully_shard on mesh['dp'])"), ()
