@@ -5,6 +5,7 @@ model over mesh["dp"]; every loss and parameter after 5 AdamW steps equal to one
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -19,16 +20,22 @@ from ..parallel.test_hf_models import MODELS, TOL, torch_style_plan
 pytest.importorskip("transformers")
 
 
-@distributed(world_size=4)
-def test_hf_llama_tp_then_fully_shard_per_layer_trains_as_one_process() -> None:
-    torch.manual_seed(0)
-    reference = MODELS["llama (sdpa, GQA)"]().double()
-    model = copy.deepcopy(reference)
+def _two_d(model: Any) -> sw.DeviceMesh:
+    """torchtitan's recipe on a (dp, tp) = (2, 2) mesh: a torch-style TP plan, then fully_shard per layer and on the model."""
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], torch_style_plan(model))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
+    return mesh
+
+
+@distributed(world_size=4)
+def test_hf_llama_tp_then_fully_shard_per_layer_trains_as_one_process() -> None:
+    torch.manual_seed(0)
+    reference = MODELS["llama (sdpa, GQA)"]().double()
+    model = copy.deepcopy(reference)
+    mesh = _two_d(model)
     q = model.model.layers[0].self_attn.q_proj.weight
     assert q.device_mesh == mesh and [str(p) for p in q.placements] == ["S(0)", "S(0)"]
     coordinate = mesh.get_coordinate()
@@ -60,11 +67,7 @@ def test_hf_llama_built_on_meta_materialises_only_shards_and_trains_as_one_proce
     config.num_hidden_layers = 8  # deep enough that two layers are a quarter of the model
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
-    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], torch_style_plan(model))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    mesh = _two_d(model)
 
     def materialise() -> None:
         model.to_empty(device="cpu")
