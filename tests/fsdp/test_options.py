@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 
@@ -14,7 +13,7 @@ import shardwise as sw
 from shardwise.fsdp import MixedPrecisionPolicy, fully_shard
 from shardwise.testing import distributed
 
-from .test_fully_shard import ROWS, _batches, _check, _full, _model, _torch_fsdp, _train
+from .test_fully_shard import ROWS, _batches, _check, _model, _torch_fsdp, _train
 
 
 def _ours(model: nn.Module, mesh_shape: tuple[int, ...], **kwargs: Any) -> nn.Module:

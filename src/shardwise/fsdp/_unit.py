@@ -33,7 +33,7 @@ from .. import _comm as comm
 from .._mesh import DeviceMesh
 from .._tensor import DTensor
 from ._param import UnitParam
-from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._policy import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["Reduction", "Unit"]
 
@@ -285,6 +285,3 @@ def _current(device_type: str) -> torch.device:
     index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
     return torch.device(device_type, index)
 
-
-def offloads(policy: OffloadPolicy) -> bool:
-    return isinstance(policy, CPUOffloadPolicy)
