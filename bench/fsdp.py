@@ -192,6 +192,6 @@ def run(settings: Settings) -> list[Table]:
         row["collective_counts"] = counts
         row["check"] = "ok" if all(r[who]["check"] == "ok" for r in per_rank) else "WRONG"
         table.rows.append(row)
-    table.notes.append("data_parallel is shardwise's ZeRO-3 (per-parameter collectives, gathered parameters kept "
-                       "from forward to backward)")
+    table.notes.append("data_parallel is shardwise's ZeRO-3 (shard_parameters=True): the same units engine, "
+                       "one unit per child of the model's outermost Sequential / ModuleList")
     return [table]

@@ -38,6 +38,7 @@ from .._comm._dry import SIMULATION, Simulation
 from .._mesh_dry import PER_RANK_CACHES, DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
 from .._tensor._wrap import DTENSOR_CLASSES
 from ..pipeline import PipelineError
+from ..fsdp._state import snapshot
 from ._counter import CommCounter
 from ._memory import MemoryTracker
 from ._report import DryCollective, DryRunReport, RankReport
@@ -212,8 +213,10 @@ class _State:
         self.states = [(o, {p: {k: v.clone() if isinstance(v, torch.Tensor) and not v.is_meta else v
                                 for k, v in st.items()} for p, st in o.state.items()})
                        for o in found if isinstance(o, torch.optim.Optimizer)]
+        self.units = snapshot([m for m in found if isinstance(m, nn.Module)])  # fully_shard's learnt order
 
     def restore(self) -> None:
+        self.units()
         for p, g in self.grads:
             p.grad = g
         for o, state in self.states:

@@ -77,13 +77,18 @@ def fully_shard(
     unit = Unit(name, params, mesh, shard_dim, 0 if mesh.ndim == 2 else None, mp_policy, offload_policy) if params else None
     if unit is not None and not isinstance(reshard, bool):
         unit.small = _small_group(mesh, shard_dim, reshard)
-    state = FSDPState(modules, unit, mp_policy, reshard, auto)
+    attach(FSDPState(modules, unit, mp_policy, reshard, auto), modules)
+    return module
+
+
+def attach(state: FSDPState, modules: list[nn.Module], swap_class: bool = True) -> None:
+    """Hook `state` around each module's forward (and make its class `FSDP<Orig>`)."""
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)
         state.handles.append(m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True))
         state.handles.append(m.register_forward_hook(state.post_forward, always_call=True))
-        m.__class__ = fsdp_class(type(m))
-    return module
+        if swap_class:
+            m.__class__ = fsdp_class(type(m))
 
 
 def _the_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:

@@ -15,7 +15,7 @@ per model one `Root`: the first state whose forward runs becomes the root at tha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -26,7 +26,7 @@ from ._param import UnitParam
 from ._policy import MixedPrecisionPolicy
 from ._unit import Reduction, Unit
 
-__all__ = ["FSDPState", "Root", "STATE_ATTR", "state_of"]
+__all__ = ["FSDPState", "Root", "STATE_ATTR", "snapshot", "state_of"]
 
 STATE_ATTR = "_shardwise_fsdp_state"
 
@@ -109,6 +109,7 @@ class FSDPState:
         self.reshard_after_forward: Union[bool, int] = reshard_after_forward
         self.auto_reshard = auto_reshard
         self.reshard_after_backward = True
+        self.reshard_after_no_grad_forward = False  # data_parallel's root: no backward will free it
         self.root: Optional[Root] = None
         self.is_root = False
         self.backward_started = False
@@ -172,8 +173,10 @@ class FSDPState:
         if self.unit is not None:
             for _, owner, attr in self.slots[module]:
                 owner.__dict__.pop(attr, None)
-            if not _in_backward() and self.reshard_after_forward is not False:
-                if self.reshard_after_forward is True or self.unit.small is None:
+            keep = self.reshard_after_forward is False and not (
+                self.reshard_after_no_grad_forward and not torch.is_grad_enabled())
+            if not _in_backward() and not keep:
+                if isinstance(self.reshard_after_forward, bool) or self.unit.small is None:
                     self.unit.reshard()
                 else:  # an int: keep this rank's piece of a smaller group, gathered over it in backward
                     self.unit.reshard_to_small_group()
@@ -227,6 +230,23 @@ class FSDPState:
         for slots in self.slots.values():
             for _, owner, attr in slots:
                 owner.__dict__.pop(attr, None)
+
+
+def snapshot(modules: Sequence[nn.Module]) -> Callable[[], None]:
+    """A function that puts every unit state under `modules` back as it is now: which is root,
+    the forward order learnt (a dry run replays one step per simulated rank, each as the first)."""
+    states = {s for m in modules for sub in m.modules() if (s := state_of(sub)) is not None}
+    saved = [(s, s.root, s.is_root, s.reshard_after_forward) for s in states]
+    roots = {s.root for s in states if s.root is not None}
+    learnt = [(r, list(r.order), r.recording, dict(r.index)) for r in roots]
+
+    def restore() -> None:
+        for s, root, is_root, reshard in saved:
+            s.root, s.is_root, s.reshard_after_forward = root, is_root, reshard
+        for r, order, recording, index in learnt:
+            r.order, r.recording, r.index = list(order), recording, dict(index)
+
+    return restore
 
 
 def state_of(module: nn.Module) -> Optional[FSDPState]:

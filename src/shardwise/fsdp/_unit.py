@@ -31,6 +31,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from .. import _comm as comm
 from .._mesh import DeviceMesh
+from .._placement import Placement, Replicate
 from .._tensor import DTensor
 from ._param import UnitParam
 from ._policy import MixedPrecisionPolicy, OffloadPolicy
@@ -249,7 +250,7 @@ class Unit:
     def reduce(self, params: list[UnitParam], grads: Sequence[Optional[torch.Tensor]]) -> list[Reduction]:
         """Start the reduce_scatter of `grads` (one per param, None when unused), or keep them
         unsharded while gradient sync is off."""
-        grads = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+        grads = [_piece(p, g) for p, g in zip(params, grads)]
         if not self.sync:
             for p, g in zip(params, grads):
                 if g is not None:
@@ -278,6 +279,21 @@ class Unit:
                                             mesh_dims=(self.shard_dim,), donated=True)
             out.append(Reduction(self, chosen, comm.start(collective, packed), starts[self.rank]))
         return out
+
+
+def _piece(p: UnitParam, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The gradient as the plain piece the unit gathered: a DTensor gradient (a plain parameter's
+    that met tensor-parallel activations, or a tp parameter's in another layout) is laid out as
+    the parameter's tp placements first (Replicate() for a plain parameter)."""
+    if not isinstance(grad, DTensor):
+        return grad
+    if p.tp is None:
+        placements: tuple[Placement, ...] = (Replicate(),) * grad.device_mesh.ndim
+        if grad.placements != placements:
+            grad = grad.redistribute(placements=placements)
+    elif grad.placements != p.tp.placements or grad.shard_order != p.tp.shard_order:
+        grad = grad.redistribute(p.tp.mesh, p.tp.placements, shard_order=p.tp.shard_order)
+    return grad._local_tensor
 
 
 def _current(device_type: str) -> torch.device:

@@ -14,7 +14,7 @@ plain local piece, or a DTensor on the tensor-parallel sub-mesh.
 | parameter on the dp dim | forward (compute view) | backward (gradient) |
 |---|---|---|
 | `Replicate()` | local piece, no communication | local grads kept; at the end of backward one `all_reduce(avg)` per bucket |
-| `Shard(k)` | `all_gather` over dp | `reduce_scatter(avg)`: `param.grad` is dp-sharded |
+| `Shard(k)` | gathered over dp by its unit (below) | its unit's `reduce_scatter(avg)`: `param.grad` is dp-sharded |
 
 Each rank's gradient is that of its own mean loss, so the average over dp is the
 gradient of the mean over the whole batch (equal local batch sizes). Replicated
@@ -27,9 +27,12 @@ synchronously, so buckets are reduced at the end of backward rather than overlap
 
 Sharding picks a tensor dim that tensor parallelism does not split, so gathering is one
 all_gather of the tensor-parallel piece; a parameter with every dim split by tensor
-parallelism (a column-parallel bias) stays replicated on dp. The gathered copies that
-backward needs (a linear's weight) live from forward until backward, so the 1/dp saving
-holds between steps, not at the peak of one.
+parallelism (a column-parallel bias) stays replicated on dp. Sharded parameters run on
+`fully_shard`'s engine (`fsdp/_zero.py`): one unit per block (each child of the outermost
+`nn.ModuleList` / `nn.Sequential`) and one at the root, so a block's parameters are
+gathered by one all_gather before its forward, freed after it, gathered again for its
+backward and reduced by one reduce_scatter; the next block's gather is prefetched. A step
+holds about two blocks unsharded at a time, so the 1/dp saving holds at its peak too.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._spec import DTensorSpec, TensorMeta
 from .._tensor import DTensor
 from .._tensor._grad_reduce import deferred
+from .._layout import chunk_range
+from ..fsdp._param import TensorParallel, UnitParam
+from ..fsdp._zero import shard_by_units
 from ._pretrained import adopt_save_pretrained
 
 __all__ = ["data_parallel", "global_mean", "memory_report", "no_sync"]
@@ -71,6 +77,7 @@ class _Param:
     tp_mesh: Optional[DeviceMesh]  # set when the parameter was a DTensor on the tp sub-mesh
     tp_placements: tuple[Placement, ...] = ()
     tp_order: ShardOrder = ()
+    piece_shape: tuple[int, ...] = ()  # what a dp gather gives back: the tp piece, or the whole parameter
 
     def local_shape(self) -> torch.Size:
         return self.param._local_tensor.shape
@@ -195,14 +202,11 @@ class _State:
     owners: dict[nn.Module, list[tuple[str, _Param]]]
     reducer: _Reducer
     handles: list[Any] = field(default_factory=list)
+    units: Any = None  # the root's FSDPState of the sharded parameters' units
 
     def view(self, p: _Param) -> torch.Tensor:
-        """The compute view of `p`: gathered over dp if sharded, local, then on the tp sub-mesh if it was there."""
-        if p.sharded:
-            full = p.param.redistribute(placements=p.gathered.placements, shard_order=p.gathered.shard_order)
-            local = _LocalView.apply(full, p, None)  # type: ignore[no-untyped-call]
-        else:
-            local = _LocalView.apply(p.param, p, self.reducer)  # type: ignore[no-untyped-call]
+        """The compute view of replicated `p`: local, then on the tp sub-mesh if it was there."""
+        local = _LocalView.apply(p.param, p, self.reducer)  # type: ignore[no-untyped-call]
         if p.tp_mesh is None:
             return local  # type: ignore[no-any-return]
         meta = p.gathered.tensor_meta
@@ -269,20 +273,37 @@ def data_parallel(
             owners.setdefault(owner, []).append((attr, made[id(p)]))
     if problems:
         raise ValueError("data_parallel cannot place these parameters:\n  - " + "\n  - ".join(problems))
+    readers: dict[int, list[tuple[nn.Module, str]]] = {}
     for owner, items in owners.items():
         for attr, entry in items:
             owner._parameters[attr] = cast(nn.Parameter, entry.param)
+            readers.setdefault(id(entry), []).append((owner, attr))
 
     params = list(made.values())
     reduced = [p for p in reversed(params) if not p.sharded and p.param.requires_grad]
     reducer = _Reducer(reduced, device_mesh.get_group(d), device_mesh.size(d), int(bucket_cap_mb * 2**20))
-    state = _State(device_mesh, d, params, owners, reducer)
-    for owner, items in owners.items():
+    replicated = {o: [(a, e) for a, e in items if not e.sharded] for o, items in owners.items()}
+    state = _State(device_mesh, d, params, {o: items for o, items in replicated.items() if items}, reducer)
+    for owner, items in state.owners.items():
         state.handles.append(owner.register_forward_pre_hook(_make_pre_hook(state, items), prepend=True))
         state.handles.append(owner.register_forward_hook(_make_post_hook(items), always_call=True))
+    sharded = [_unit_param(p, readers[id(p)], device_mesh, d) for p in params if p.sharded]
+    if sharded:
+        state.units = shard_by_units(module, device_mesh, d, sharded)
     object.__setattr__(module, _STATE_ATTR, state)
     adopt_save_pretrained(module)
     return module
+
+
+def _unit_param(p: _Param, owners: list[tuple[nn.Module, str]], mesh: DeviceMesh, d: int) -> UnitParam:
+    """The unit's record of sharded `p`: its dp shard dim, the piece a dp gather gives back, the tp layout."""
+    k = cast(Shard, p.param._spec.placements[d]).dim
+    n = mesh.size(d)
+    sizes = tuple(chunk_range(p.piece_shape[k], n, q)[1] for q in range(n))
+    tp = TensorParallel(p.tp_mesh, p.tp_placements, p.tp_order, p.gathered.tensor_meta) if p.tp_mesh is not None else None
+    made = UnitParam(p.name, owners, k, p.piece_shape, sizes, tp)
+    assert made.shape_on(mesh.get_local_rank(d)) == tuple(p.param._local_tensor.shape), (made, p.param._spec)
+    return made
 
 
 def _rest_mesh(mesh: DeviceMesh, d: int) -> Optional[DeviceMesh]:
@@ -358,6 +379,7 @@ def _store(
         tp_mesh if was_tp else None,
         tp_placements if was_tp else (),
         p._spec.shard_order if isinstance(p, DTensor) else (),
+        tuple(local.shape) if not sharded else tuple(p._local_tensor.shape if was_tp else p.shape),
     )
 
 
