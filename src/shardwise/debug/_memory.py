@@ -5,12 +5,20 @@ storages that died (a weak reference each; a parameter's piece cannot die in a s
 not looked at) and then counts the new ones, so the running total is exact where the peak
 can be (at a birth). At the end each storage is put in the category it ends in:
 parameters, gradients, optimizer state, or activations (everything else, and whatever died).
+
+An fsdp unit frees its unsharded parameters in place (`resize_(0)`: the storage lives on,
+empty) and refills them before the next use, and says so (`_memory_events`), as it does
+when it starts a gather: a storage freed so ends its span before the next op, one refilled
+starts a new span, and those and the gather's buffers are the unit's. They form a fifth
+category, unsharded (only in the report of a program with units), owned by the unit's
+module path, and the report lists each unit with what it held unsharded (or was
+gathering) at the peak.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -18,8 +26,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._memory_events import listening
 from .._tensor._wrap import DTENSOR_CLASSES
-from ._report import CATEGORIES, MemoryReport
+from ..fsdp._state import state_of
+from ._report import CATEGORIES, UNSHARDED, MemoryReport
 
 __all__ = ["MemoryTracker", "storage_of"]
 
@@ -48,13 +58,27 @@ class MemoryTracker(TorchDispatchMode):
         self.counter = counter
         self.clock = 0
         self.op: Optional[str] = None
-        # storage key -> [weak ref, bytes, made at, module path]; closed: (key, bytes, made, died, path)
+        # storage key -> [weak ref, bytes, made at, module path, fsdp unit or None]
         self.live: dict[int, list[Any]] = {}
         self.watched: dict[int, int] = {}  # the live storages that may die: key -> weak reference
-        self.closed: list[tuple[int, int, int, Optional[int], str]] = []
+        self.closed: list[_Span] = []
+        self._listening: Any = None
         self.uneven: set[str] = set()
         self._specs: set[Any] = set()
         self.flops = {"forward": 0, "backward": 0}  # of the matmuls, convolutions and attentions this rank runs
+
+    def __enter__(self) -> MemoryTracker:
+        """Follow the ops, and hear fsdp units free and refill their storages (`_memory_events`)."""
+        self._listening = listening(self._heard)
+        self._listening.__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        finally:
+            self._listening.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         outer, self.op = self.op, str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
@@ -99,14 +123,35 @@ class MemoryTracker(TorchDispatchMode):
                 return
             self._end(key, entry)
         weak = _weak(storage)
-        self.live[key] = [weak, storage.nbytes(), made, self.counter.module_path()]
+        self.live[key] = [weak, storage.nbytes(), made, self.counter.module_path(), None]
         if not pinned:
             self.watched[key] = weak.cdata
 
     def _end(self, key: int, entry: list[Any], died: Optional[int] = None) -> None:
         del self.live[key]
         self.watched.pop(key, None)
-        self.closed.append((key, entry[1], entry[2], self.clock if died is None else died, entry[3]))
+        self.closed.append(_Span(key, entry[1], entry[2], self.clock if died is None else died, entry[3], entry[4]))
+
+    def _heard(self, unit: Any) -> None:
+        """`unit` started a gather, or filled or freed its unsharded storages in place, between
+        two ops: a freed one was alive with the last op's outputs and is gone before the next
+        op's (it dies at the next tick, deaths first); a filled one and a gather's buffer
+        (counted already as the outputs of the ops that made them, or counted now) are the unit's."""
+        fulls = [p.full for p in unit.params if p.full is not None]
+        buffers = [started.result() for _, started in unit.inflight if started.done()]  # (dry: done when issued)
+        for t in fulls + buffers:
+            storage = t.untyped_storage()
+            key, nbytes = storage._cdata, storage.nbytes()
+            entry = self.live.get(key)
+            if entry is not None and (nbytes == 0 or entry[1] != nbytes):
+                self._end(key, entry, self.clock + 1)
+                entry = None
+            if nbytes == 0:
+                continue
+            if entry is None:
+                self._add(storage, self.clock, pinned=False)
+                entry = self.live[key]
+            entry[4] = unit
 
     def _sweep(self) -> None:
         expired = _expired
@@ -151,20 +196,21 @@ class MemoryTracker(TorchDispatchMode):
                     if s is not None:
                         category.setdefault(s._cdata, "optimizer")
                         owner.setdefault(s._cdata, paths.get(id(param), ""))
-        spans = list(self.closed) + [(k, e[1], e[2], None, e[3]) for k, e in self.live.items()]
+        spans = list(self.closed) + [_Span(k, e[1], e[2], None, e[3], e[4]) for k, e in self.live.items()]
+        kinds = CATEGORIES + (UNSHARDED,) if any(s.unit is not None for s in spans) else CATEGORIES
         events: list[tuple[int, int, int]] = []  # (time, +1 made / -1 died, span index)
-        for i, (key, nbytes, made, died, path) in enumerate(spans):
-            events.append((made, 1, i))
-            if died is not None:
-                events.append((died, -1, i))
+        for i, span in enumerate(spans):
+            events.append((span.made, 1, i))
+            if span.died is not None:
+                events.append((span.died, -1, i))
         events.sort(key=lambda e: (e[0], e[1]))  # at one tick, deaths before births
-        now = dict.fromkeys(CATEGORIES, 0)
+        now = dict.fromkeys(kinds, 0)
         peaks = dict(now)
         total, best, at_best, best_time = 0, -1, dict(now), 0
         live_at: set[int] = set()
         best_live: set[int] = set()
         for k, (time_, sign, i) in enumerate(events):
-            key, nbytes = spans[i][0], spans[i][1]
+            nbytes = spans[i].nbytes
             which = _category(category, spans[i])
             now[which] += sign * nbytes
             total += sign * nbytes
@@ -176,20 +222,53 @@ class MemoryTracker(TorchDispatchMode):
             last_of_tick = k + 1 == len(events) or events[k + 1][0] != time_
             if last_of_tick and total > best:
                 best, at_best, best_time, best_live = total, dict(now), time_, set(live_at)
+        unit_paths = _unit_paths(modules)
+        units = {unit_paths.get(id(s.unit), s.unit.name): 0
+                 for s in sorted((s for s in spans if s.unit is not None), key=lambda s: s.made)}
         per_module: dict[str, dict[str, int]] = {}
         for i in best_live:
-            key, nbytes, _, _, path = spans[i]
-            which = _category(category, spans[i])
-            where = owner.get(key, path) if which != "activations" else path
-            row = per_module.setdefault(where, dict.fromkeys(CATEGORIES, 0))
-            row[which] += nbytes
-        return MemoryReport(peaks, max(best, 0), at_best, best_time, self.clock, per_module)
+            span = spans[i]
+            which = _category(category, span)
+            if span.unit is not None:
+                where = unit_paths.get(id(span.unit), span.unit.name)
+                units[where] += span.nbytes
+            else:
+                where = owner.get(span.key, span.path) if which != "activations" else span.path
+            row = per_module.setdefault(where, dict.fromkeys(kinds, 0))
+            row[which] += span.nbytes
+        return MemoryReport(peaks, max(best, 0), at_best, best_time, self.clock, per_module, units)
 
 
-def _category(category: dict[int, str], span: tuple[int, int, int, Optional[int], str]) -> str:
-    """A storage alive at the end is what it is then (a parameter, a gradient, optimizer
-    state); one that died was an activation (a key is an address, reused once freed)."""
-    return category.get(span[0], "activations") if span[3] is None else "activations"
+class _Span(NamedTuple):
+    """A storage's life: made at tick `made`, died at `died` (None: alive at the end), with the
+    module path it was made in and the fsdp unit whose unsharded parameter it is (or None)."""
+
+    key: int
+    nbytes: int
+    made: int
+    died: Optional[int]
+    path: str
+    unit: Any
+
+
+def _category(category: dict[int, str], span: _Span) -> str:
+    """A unit's unsharded parameter (or gather buffer) is unsharded; any other storage alive at
+    the end is what it is then (a parameter, a gradient, optimizer state); one that died was
+    an activation (a key is an address, reused once freed)."""
+    if span.unit is not None:
+        return UNSHARDED
+    return category.get(span.key, "activations") if span.died is None else "activations"
+
+
+def _unit_paths(modules: list[nn.Module]) -> dict[int, str]:
+    """id of each fsdp unit under `modules` -> the path of the module it was made for."""
+    paths: dict[int, str] = {}
+    for module in modules:
+        for name, sub in module.named_modules():
+            state = state_of(sub)
+            if state is not None and state.unit is not None:
+                paths.setdefault(id(state.unit), name)
+    return paths
 
 
 def _cpu_attention(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:

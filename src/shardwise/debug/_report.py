@@ -7,9 +7,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["CATEGORIES", "DryCollective", "DryRunReport", "MemoryReport", "RankReport"]
+__all__ = ["CATEGORIES", "UNSHARDED", "DryCollective", "DryRunReport", "MemoryReport", "RankReport"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+UNSHARDED = "unsharded"  # fsdp units' unsharded parameters: a category only where a program has units
+_COLUMNS = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "activations": "activ.",
+            UNSHARDED: "unshard."}
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,12 @@ class MemoryReport:
     """Bytes one rank holds. `peaks`: the peak of each category on its own; `peak`: the peak of
     the total, `at_peak` its split and `peak_tick` when (ops counted from the start; of
     `ticks`); `modules`: what each module path holds at that peak (activations by the module
-    that made them, the rest by the module that owns the parameter)."""
+    that made them, the rest by the module that owns the parameter).
+
+    `units`: per `fully_shard` unit (by the path of its module, "" the root), in the order
+    first gathered, the bytes of its unsharded parameters (or of its gather in flight) held
+    at the peak (0: resharded then). Where a program has units, every dict above has a fifth
+    category, "unsharded": those bytes (in `modules`, in the unit's row)."""
 
     peaks: dict[str, int]
     peak: int
@@ -40,6 +48,12 @@ class MemoryReport:
     peak_tick: int
     ticks: int
     modules: dict[str, dict[str, int]]
+    units: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def units_unsharded_at_peak(self) -> int:
+        """How many fsdp units held their unsharded parameters at the peak."""
+        return sum(1 for n in self.units.values() if n)
 
 
 @dataclass(frozen=True)
@@ -142,9 +156,14 @@ def _rank_text(r: RankReport, report: DryRunReport) -> list[str]:
     total = sum(c.bytes for c in r.collectives)
     lines.append(f"  {'total':<38}{len(r.collectives):>7}{_size(total):>12}")
     m = r.memory
+    kinds = tuple(m.at_peak)  # CATEGORIES, and UNSHARDED where the program has fsdp units
     lines.append(f"  memory peak {_size(m.peak)} at op {m.peak_tick} of {m.ticks}: "
-                 + ", ".join(f"{k} {_size(m.at_peak[k])}" for k in CATEGORIES))
-    lines.append("  peak of each: " + ", ".join(f"{k} {_size(m.peaks[k])}" for k in CATEGORIES))
+                 + ", ".join(f"{k} {_size(m.at_peak[k])}" for k in kinds))
+    lines.append("  peak of each: " + ", ".join(f"{k} {_size(m.peaks[k])}" for k in kinds))
+    if m.units:
+        held = [f"{path or '(model)'} {_size(n)}" for path, n in m.units.items() if n]
+        lines.append(f"  fsdp units unsharded at the peak: {m.units_unsharded_at_peak} of {len(m.units)}"
+                     + (f": {', '.join(held)}" if held else ""))
     if r.flops:
         lines.append("  FLOPs: " + ", ".join(f"{k} {v / 1e9:.3g} G" for k, v in r.flops.items()))
     comm: dict[str, list[int]] = {}
@@ -155,12 +174,12 @@ def _rank_text(r: RankReport, report: DryRunReport) -> list[str]:
         row[i + 1] += c.bytes
     paths = sorted(set(m.modules) | set(comm))
     if paths:
-        lines.append(f"  {'module':<36}{'params':>10}{'grads':>10}{'optim':>10}{'activ.':>10}   forward / backward comm")
+        lines.append(f"  {'module':<36}" + "".join(f"{_COLUMNS[k]:>10}" for k in kinds) + "   forward / backward comm")
         for path in paths:
-            mem = m.modules.get(path, dict.fromkeys(CATEGORIES, 0))
+            mem = m.modules.get(path, dict.fromkeys(kinds, 0))
             n = comm.get(path, [0, 0, 0, 0])
             label = (path or "(model)")[-36:]
-            lines.append(f"  {label:<36}" + "".join(f"{_size(mem[k]):>10}" for k in CATEGORIES)
+            lines.append(f"  {label:<36}" + "".join(f"{_size(mem[k]):>10}" for k in kinds)
                          + f"   x{n[0]} {_size(n[1])} / x{n[2]} {_size(n[3])}")
     return lines
 

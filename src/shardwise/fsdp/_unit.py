@@ -30,6 +30,7 @@ import torch
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from .. import _comm as comm
+from .._memory_events import memory_changed
 from .._mesh import DeviceMesh
 from .._placement import Placement, Replicate
 from .._tensor import DTensor
@@ -160,6 +161,7 @@ class Unit:
             collective = comm.AllGather(group=group, size=size, shape=(totals[rank],), dtype=dtype,
                                         tensor_dim=0, pieces=totals, mesh_dims=(self.shard_dim,))
             self.inflight.append((bucket, comm.start(collective, send)))
+        memory_changed(self)  # gathering: a dry run's memory tracker counts the buffers as the unit's
 
     def unshard(self) -> None:
         """Every parameter's unsharded tensor filled (waiting for a prefetch if one is in flight)."""
@@ -181,6 +183,7 @@ class Unit:
                         torch.cat(pieces, dim=p.dim, out=full)
         self.inflight = []
         self.gathered = True
+        memory_changed(self)  # filled: what a dry run's memory tracker counts as the unit's
         if self.kept:
             for p in self.params:
                 p.kept = None
@@ -203,6 +206,7 @@ class Unit:
             if p.full is not None:
                 p.full.untyped_storage().resize_(0)
         self.gathered = False
+        memory_changed(self)  # freed in place: a dry run's memory tracker counts them as gone
 
     def _storage_for(self, p: UnitParam, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The unsharded tensor to gather into, where the gather landed (meta in a dry run)."""
@@ -226,6 +230,7 @@ class Unit:
             if p.full is not None:
                 p.full.untyped_storage().resize_(0)
         self.gathered = False
+        memory_changed(self)  # freed in place: a dry run's memory tracker counts them as gone
 
     # -- compute views --------------------------------------------------------------------
     def views(self) -> list[torch.Tensor]:
