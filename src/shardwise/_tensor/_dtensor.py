@@ -31,6 +31,7 @@ from . import _api
 from ._async import Pending
 from ._autograd import Redistribute, to_local
 from ._dispatch import torch_dispatch
+from ._foreign import FIX, refuse_torch_fsdp
 from ._grad_reduce import note_accumulated
 from ._local_linear import TORCH_FUNCTION_HANDLERS
 from ._wrap import DTensorBase, wrap
@@ -220,6 +221,19 @@ class DTensor(DTensorBase, role="plain"):
         except comm.CollectiveError as exc:
             raise exc.add_operation(f"full_tensor of a {list(self.shape)} DTensor")
         return replicated.to_local(grad_placements=grad_placements)
+
+    # -- torch's own fully_shard ---------------------------------------------------
+    # torch's FSDP asks a parameter's piece for these two (its tensor-subclass all-gather
+    # extension) and calls the first at the forward, on every rank, before it all-gathers:
+    # a shardwise DTensor refuses there, naming the fix (see `_foreign`).
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any) -> Any:
+        """Refused: torch's `fully_shard` does not know shardwise DTensors (TypeError naming
+        `shardwise.fsdp.fully_shard`)."""
+        raise refuse_torch_fsdp(self, mesh, outer_size, module)
+
+    def fsdp_post_all_gather(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as `fsdp_pre_all_gather` is (never reached: that one raises first)."""
+        raise TypeError(FIX)
 
 
 class _SplitBatchDTensor(DTensor, role="split_batch"):

@@ -15,6 +15,8 @@ between ranks, so every rank checks the same sites at the same time and none wai
 Inside `implicit_replication()` the user vouches for the tensors and nothing is checked.
 A 0-dim tensor is a scalar, as a Python number is (a step count, a learning rate, a loss
 scale): never checked, so an optimizer step stays free of communication.
+A tensor of torch's own DTensor class is not plain and never counts as replicated: it is
+refused with a TypeError (`_foreign`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from .. import _comm as comm
 from .._mesh import DeviceMesh
 from .._mesh_dry import DryMesh
+from ._foreign import is_torch_dtensor, refuse_torch_dtensor
 from ._wrap import DTensorBase
 
 __all__ = ["FINGERPRINT_WIDTH", "check_plain", "fingerprint", "same_fingerprint"]
@@ -98,6 +101,10 @@ def check_plain(func: Any, modes: Any, args: tuple[Any, ...], kwargs: dict[str, 
              if not isinstance(t, DTensorBase) and t.ndim > 0 and where.rpartition("[")[2] not in alone]
     if not plain:
         return
+    ours = next((t for _, t in found if isinstance(t, DTensorBase)), None)
+    for where, t in plain:  # torch's own DTensor is no plain tensor: it cannot count as replicated
+        if ours is not None and is_torch_dtensor(t):
+            raise refuse_torch_dtensor(func, where, t, ours)
     mesh: Optional[Any] = next((t._spec.mesh for _, t in found if isinstance(t, DTensorBase)), None)
     if not isinstance(mesh, DeviceMesh) or mesh.size() == 1 or mesh.get_coordinate() is None:
         return
