@@ -213,13 +213,13 @@ class FSDPState:
         root = self.root
         assert root is not None and self.unit is not None
         root.queue_end_of_backward()
-        root.finish_reductions()
-        root.pending.extend(self.unit.reduce(params, grads))
+        root.finish_reductions()  # the previous unit's gradient buffer goes before this one's is made
         self.open_nodes = max(self.open_nodes - 1, 0)
-        if self.open_nodes == 0:
+        if self.open_nodes == 0:  # freed before the reduction allocates, as FSDP2 orders it
             self._uninstall()
             if self.reshard_after_backward:
                 self.unit.reshard()
+        root.pending.extend(self.unit.reduce(params, grads))
 
     def _install(self, views: list[torch.Tensor]) -> None:
         for slots in self.slots.values():
