@@ -136,3 +136,26 @@ def test_dry_run_of_a_fully_sharded_llama_on_an_abstract_mesh_counts_one_collect
     assert re.search(r"backward\s+reduce_scatter\s+dp\s+5\b", text), text[:600]
     layer = model.model.layers[0].mlp.up_proj.weight
     assert layer._local_tensor.is_meta and layer._local_tensor.shape == (16, 64)  # 128 rows over 8 ranks
+
+
+def test_dry_run_of_reshard_to_a_smaller_group_gathers_over_that_group_in_backward() -> None:
+    # reshard_after_forward=2 on 8 ranks: forward gathers over the 8, backward over pairs
+    from shardwise.debug import dry_run
+
+    mesh = sw.AbstractMesh((8,), ("dp",))
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))
+    for layer in model:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=2)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    report = dry_run(step, model, opt, torch.randn(4, 16), mesh=mesh, ranks=range(8))
+    for rank in range(8):
+        gathers = [c.group_size for c in report.rank(rank).collectives if c.kind == "all_gather"]
+        assert gathers == [8, 8, 8, 2, 2, 2], (rank, gathers)

@@ -272,7 +272,8 @@ class _Recorder(CommCounter):
         names = dry.mesh_dim_names
         out = []
         for record, op, path, which in self.records:
-            dims = tuple(names[d] if names else str(d) for d in record.mesh_dims)
+            # (a group of its own grid, as reshard_after_forward=int makes, has no dim of this mesh)
+            dims = tuple(names[d] if names and d < len(names) else str(d) for d in record.mesh_dims)
             out.append(DryCollective(record.op, dims, record.group_size, record.bytes_received, op, path, which))
         return out
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from .._describe import describe
 from .._mesh import DeviceMesh, init_device_mesh
-from .._mesh_dry import as_device_mesh
+from .._mesh_dry import DryMesh, as_device_mesh
 from .._placement import Shard
 from ._module import fsdp_class
 from ._param import UnitParam, place, register
@@ -113,6 +113,12 @@ def _the_mesh(mesh: Optional[DeviceMesh]) -> DeviceMesh:
 def _small_group(mesh: DeviceMesh, shard_dim: int, k: int) -> tuple[Any, int, int]:
     """The group of `k` consecutive ranks of the shard dim this rank is in (made over the whole
     mesh this one was sliced from, so every rank makes the same groups)."""
+    if isinstance(mesh, DryMesh):  # a dry run: the same split of the whole dry mesh's grid
+        d = mesh._dims[shard_dim]
+        shape = list(mesh._root[0])
+        shape[d:d + 1] = [shape[d] // k, k]
+        dry = DryMesh(tuple(shape))
+        return dry.get_group(d + 1), k, dry.get_local_rank(d + 1)
     root, dims = mesh._sliced_from or (mesh, tuple(range(mesh.ndim)))
     d = dims[shard_dim]
     grid = root.mesh
