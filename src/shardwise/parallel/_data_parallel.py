@@ -348,6 +348,7 @@ def _store(
         meta = TensorMeta(p.shape, contiguous_strides(p.shape), p.dtype)
         tp_placements = (Replicate(),) * len(rest)
         tp_orders = {}
+    piece_shape = tuple(local.shape)  # what a gather over dp gives back
     # dp shards the first tensor dim that tensor parallel leaves whole, so the gather is one all_gather.
     split = set(tp_orders) | {q.dim for q in tp_placements if isinstance(q, _StridedShard)}
     free = [t for t in range(p.ndim) if t not in split]
@@ -379,7 +380,7 @@ def _store(
         tp_mesh if was_tp else None,
         tp_placements if was_tp else (),
         p._spec.shard_order if isinstance(p, DTensor) else (),
-        tuple(local.shape) if not sharded else tuple(p._local_tensor.shape if was_tp else p.shape),
+        piece_shape,
     )
 
 
