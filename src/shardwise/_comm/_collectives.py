@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -138,21 +138,37 @@ def _with(shape: Sequence[int], tensor_dim: int, size: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AllGather(Collective):
-    """Concatenate every rank's piece along `tensor_dim`; `pieces[j]` is rank j's size there."""
+    """Concatenate every rank's piece along `tensor_dim`; `pieces[j]` is rank j's size there.
+
+    `in_place` (1-D pieces, `tensor_dim` 0): the local tensor given is the whole output
+    buffer, `size` blocks of `max(pieces)` elements, with this rank's piece already written at
+    the start of block `index`; it is gathered into there, so no separate send buffer lives
+    while the collective is in flight (`as_piece` gives the ordinary form)."""
 
     kind: ClassVar[str] = "all_gather"
     tensor_dim: int
     pieces: tuple[int, ...]
+    in_place: bool = False
+    index: int = 0
 
     @property
     def bytes_received(self) -> int:
         return (self.size - 1) * math.prod(_with(self.shape, self.tensor_dim, max(self.pieces))) * self.itemsize
 
+    def as_piece(self, buffer: torch.Tensor) -> tuple[AllGather, torch.Tensor]:
+        """The ordinary form of an in-place gather: this rank's piece out of the output buffer."""
+        start = self.index * max(self.pieces)
+        return replace(self, in_place=False), buffer.narrow(0, start, self.pieces[self.index])
+
     def issue(self, local: torch.Tensor, async_op: bool) -> Issued:
         n, d, pieces = self.size, self.tensor_dim, self.pieces
         biggest = max(pieces)
-        mine = _pad_to(local, d, biggest).contiguous()
-        out = mine.new_empty((n,) + tuple(mine.shape))
+        if self.in_place:
+            out = local.view(n, biggest)
+            mine = out[self.index]
+        else:
+            mine = _pad_to(local, d, biggest).contiguous()
+            out = mine.new_empty((n,) + tuple(mine.shape))
         work = _all_gather_single(out.view(_stacked(n, mine.shape)), mine, group=self.group, async_op=async_op)
 
         def finish() -> torch.Tensor:

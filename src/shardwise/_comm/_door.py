@@ -118,6 +118,16 @@ def _record(collective: Collective) -> CommRecord:
     return CommRecord(collective.kind, collective.size, collective.bytes_received, mesh_dims=dims)
 
 
+def _ordinary(collective: Collective, local: torch.Tensor, hooks: tuple[Interceptor, ...]
+              ) -> tuple[Collective, torch.Tensor]:
+    """An in-place all_gather as its ordinary form (this rank's piece) where a dry run answers
+    it or a hook runs it; anything else as it is."""
+    if isinstance(collective, AllGather) and collective.in_place and (
+            type(collective.group) is DryGroup or any(h.synchronous or h.takes_over(collective) for h in hooks)):
+        return collective.as_piece(local)
+    return collective, local
+
+
 def _answer_dry(collective: Collective, local: torch.Tensor) -> torch.Tensor:
     """A dry mesh's collective: told to every hook, answered without a process (`_dry`)."""
     record = _record(collective)
@@ -133,9 +143,10 @@ def run(collective: Collective, local: torch.Tensor, *, traceable: bool = True) 
     hook never takes those over."""
     if has_pending():
         wait_pending()
+    hooks = _HOOKS.get()
+    collective, local = _ordinary(collective, local, hooks)
     if type(collective.group) is DryGroup:
         return _answer_dry(collective, local)
-    hooks = _HOOKS.get()
     if hooks:
         if traceable:
             for hook in reversed(hooks):
@@ -233,9 +244,10 @@ def start(collective: Collective, local: torch.Tensor) -> Started:
     issue order. Under a synchronous hook it runs here, and the handle is already done."""
     if has_pending():
         wait_pending()
+    hooks = _HOOKS.get()
+    collective, local = _ordinary(collective, local, hooks)
     if type(collective.group) is DryGroup:
         return Started(None, None, _answer_dry(collective, local))
-    hooks = _HOOKS.get()
     if any(h.synchronous or h.takes_over(collective) for h in hooks):
         return Started(None, None, run(collective, local))
     if hooks:

@@ -153,14 +153,20 @@ class Unit:
         for bucket in self.buckets:
             dtype = self.gather_dtype(bucket[0])
             totals, _ = _packing(bucket, size, self.kept)
-            if self.kept:
-                send = torch.cat([p.kept.reshape(-1) for p in bucket])  # type: ignore[union-attr]
-            else:
-                send = torch.cat([p.param._local_tensor.reshape(-1) for p in bucket])
-                send = send.to(device=self.device, dtype=dtype, non_blocking=True)
-            collective = comm.AllGather(group=group, size=size, shape=(totals[rank],), dtype=dtype,
-                                        tensor_dim=0, pieces=totals, mesh_dims=(self.shard_dim,))
-            self.inflight.append((bucket, comm.start(collective, send)))
+            # this rank's pieces are written straight into its block of the output (FSDP2's
+            # copy-in): no send buffer lives while the gather is in flight
+            biggest = max(totals)
+            flat = torch.empty(size * biggest, dtype=dtype, device=self.device)
+            at = rank * biggest
+            with torch.no_grad():
+                for p in bucket:
+                    piece = p.kept if self.kept else p.param._local_tensor
+                    assert piece is not None
+                    flat.narrow(0, at, piece.numel()).copy_(piece.reshape(-1), non_blocking=True)
+                    at += piece.numel()
+            collective = comm.AllGather(group=group, size=size, shape=(totals[rank],), dtype=dtype, tensor_dim=0,
+                                        pieces=totals, mesh_dims=(self.shard_dim,), in_place=True, index=rank)
+            self.inflight.append((bucket, comm.start(collective, flat)))
         memory_changed(self)  # gathering: a dry run's memory tracker counts the buffers as the unit's
 
     def unshard(self) -> None:
