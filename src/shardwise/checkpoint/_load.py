@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import MutableMapping
-from pathlib import Path as FilePath
 from typing import Any, Optional, Union
 
 import torch
@@ -32,17 +31,19 @@ from .._placement import Partial
 from .._redistribute._exchange import Box, overlap, piece_boxes
 from .._tensor import DTensor
 from ._agree import agree
-from ._files import checkpoint_dir, read_data
-from ._metadata import Entry, Piece, Table, digest, dtype_name, read_metadata
+from ._files import checkpoint_dir
+from ._metadata import Entry, Table
 from ._paths import Path, is_stateful, leaves, put_back, show
 from ._save import finish_pending
+from ._storage import NativeReader, StorageReader
 
 __all__ = ["load"]
 
 
-def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.PathLike[str]],
-         strict: bool = True, process_group: Any = None, no_dist: bool = False) -> None:
-    """Fill `state_dict` in place from the checkpoint in directory `checkpoint_id`.
+def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.PathLike[str], None] = None,
+         storage_reader: Optional[StorageReader] = None, strict: bool = True, process_group: Any = None,
+         no_dist: bool = False) -> None:
+    """Fill `state_dict` in place from the checkpoint in directory `checkpoint_id` (or read by `storage_reader`).
 
     DTensors keep their mesh and placements and receive their part of the saved global
     values, whatever layout, mesh or number of ranks saved them; plain tensors are copied
@@ -72,7 +73,8 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
     still writing is waited for first.
     """
     finish_pending()
-    directory = checkpoint_dir(checkpoint_id)
+    reader = _the_reader(checkpoint_id, storage_reader)
+    name = reader.describe()
     group, size = _load_group(process_group, no_dist)
     made: list[torch.optim.Optimizer] = []
     error: Optional[Exception] = None
@@ -80,7 +82,7 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
     stateful: set[str] = set()
     plans: dict[Path, _Plan] = {}
     try:
-        table = read_metadata(directory)
+        table = reader.read_table()
         for value in state_dict.values():
             if isinstance(value, torch.optim.Optimizer) and not value.state:
                 made.append(value)
@@ -88,15 +90,14 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
         stateful = {key for key, value in state_dict.items() if is_stateful(value)}
         tree = {key: state_dict[key].state_dict() if key in stateful else value for key, value in state_dict.items()}
         targets = dict(leaves(tree))
-        problems = _mismatches(targets, table.entries, strict)
+        problems = _mismatches(targets, table.entries, strict, reader.casts)
         if problems:
-            raise ValueError(f"cannot load the checkpoint {str(directory)!r} into this state dict; nothing was "
-                             f"loaded:\n" + "\n".join(problems))
-        plans = _plans(targets, table, _Reader(directory, table))
+            raise ValueError(f"cannot load {name} into this state dict; nothing was loaded:\n" + "\n".join(problems))
+        plans = _plans(targets, table, reader)
     except Exception as exc:
         error = exc
     try:
-        agree(f"load from {str(directory)!r}", "checking the checkpoint and the state dict", error, group, size,
+        agree(f"load from {name.removeprefix('the checkpoint ')}", "checking the checkpoint and the state dict", error, group, size,
               "nothing was loaded, on any rank")
     except BaseException:
         for optimizer in made:  # back to never having stepped, as it was
@@ -109,6 +110,18 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
             state_dict[key].load_state_dict(value)
         else:
             state_dict[key] = value
+
+
+def _the_reader(checkpoint_id: Union[str, os.PathLike[str], None], storage_reader: Optional[StorageReader]
+                ) -> StorageReader:
+    if storage_reader is not None:
+        if not isinstance(storage_reader, StorageReader):
+            raise TypeError(f"load(storage_reader=...) takes a shardwise.checkpoint reader (FileSystemReader, "
+                            f"HuggingFaceStorageReader), got {type(storage_reader).__name__}")
+        return storage_reader
+    if checkpoint_id is None:
+        raise ValueError("load needs checkpoint_id= (the checkpoint's directory) or storage_reader=")
+    return NativeReader(checkpoint_dir(checkpoint_id))
 
 
 def _load_group(process_group: Any, no_dist: bool) -> tuple[Any, int]:
@@ -151,7 +164,7 @@ def _listed(paths: list[Path], limit: int = 20) -> str:
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
 
-def _mismatches(targets: dict[Path, Any], table: dict[Path, Entry], strict: bool) -> list[str]:
+def _mismatches(targets: dict[Path, Any], table: dict[Path, Entry], strict: bool, casts: bool = False) -> list[str]:
     """Every difference between the target leaves and the saved entries, one bullet each."""
     problems = []
     if strict:
@@ -178,48 +191,10 @@ def _mismatches(targets: dict[Path, Any], table: dict[Path, Entry], strict: bool
             if tuple(leaf.shape) != entry.shape:
                 problems.append(f"  - '{show(path)}': the checkpoint holds shape {entry.shape}, the state dict "
                                 f"{tuple(leaf.shape)}: global shapes must match (layouts may differ)")
-            if str(leaf.dtype).removeprefix("torch.") != entry.dtype:
+            if not casts and str(leaf.dtype).removeprefix("torch.") != entry.dtype:
                 problems.append(f"  - '{show(path)}': the checkpoint holds torch.{entry.dtype}, the state dict "
                                 f"{leaf.dtype}: make the target torch.{entry.dtype}, load, then convert")
     return problems
-
-
-class _Reader:
-    """Data files, each opened (mapped) at most once per load, and only when a piece is
-    needed; each piece checked against the table before it is used."""
-
-    def __init__(self, directory: FilePath, table: Table) -> None:
-        self.directory, self.sizes = directory, table.file_sizes
-        self.files: dict[str, list[Any]] = {}
-
-    def _values(self, name: str) -> list[Any]:
-        values = self.files.get(name)
-        if values is None:
-            path = self.directory / name
-            if self.sizes is not None and path.is_file() and path.stat().st_size != self.sizes[name]:
-                raise ValueError(f"checkpoint data file {str(path)!r} has {path.stat().st_size} bytes, the table "
-                                 f"records {self.sizes[name]}: it was truncated or replaced after saving")
-            values = self.files[name] = read_data(path)[1]
-        return values
-
-    def value(self, piece: Piece, entry: Entry) -> Any:
-        """The saved value of `piece` of `entry`, checked: ValueError if it is not what the table says."""
-        values = self._values(piece.file)
-        where = f"'{show(entry.path)}': piece {piece.index} of {str(self.directory / piece.file)!r}"
-        if piece.index >= len(values):
-            raise ValueError(f"{where} does not exist (the file holds {len(values)}): the checkpoint was damaged")
-        value = values[piece.index]
-        if entry.kind == "tensor":
-            want = tuple(n for _, n in piece.box)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != want or dtype_name(value.dtype) != entry.dtype:
-                got = (f"a tensor of shape {tuple(value.shape)} and dtype {dtype_name(value.dtype)}"
-                       if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
-                raise ValueError(f"{where} is {got}, the table says a tensor of shape {want} and dtype "
-                                 f"{entry.dtype}: the checkpoint was damaged")
-        if piece.sha256 is not None and digest(value) != piece.sha256:
-            raise ValueError(f"{where} does not match its SHA-256 checksum: the data file was altered or damaged "
-                             f"after saving; load an earlier checkpoint")
-        return value
 
 
 def _region(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
@@ -250,7 +225,7 @@ class _Plan:
         return leaf
 
 
-def _plan_copies(plan: _Plan, target: torch.Tensor, box: Box, entry: Entry, reader: _Reader) -> None:
+def _plan_copies(plan: _Plan, target: torch.Tensor, box: Box, entry: Entry, reader: StorageReader) -> None:
     """Plan copies into `target` (holding the global `box`) of every overlapping saved piece."""
     for piece in entry.pieces:
         common = overlap(piece.box, box)
@@ -259,7 +234,7 @@ def _plan_copies(plan: _Plan, target: torch.Tensor, box: Box, entry: Entry, read
             plan.copies.append((_region(target, common, box), saved))
 
 
-def _plan(leaf: Any, entry: Entry, reader: _Reader) -> _Plan:
+def _plan(leaf: Any, entry: Entry, reader: StorageReader) -> _Plan:
     plan = _Plan()
     if isinstance(leaf, DTensor):
         mesh = leaf.device_mesh
@@ -282,6 +257,6 @@ def _plan(leaf: Any, entry: Entry, reader: _Reader) -> _Plan:
     return plan
 
 
-def _plans(targets: dict[Path, Any], table: Table, reader: _Reader) -> dict[Path, _Plan]:
+def _plans(targets: dict[Path, Any], table: Table, reader: StorageReader) -> dict[Path, _Plan]:
     """Every leaf's plan, by path (the leaves the checkpoint does not hold have none)."""
     return {path: _plan(leaf, table.entries[path], reader) for path, leaf in targets.items() if path in table.entries}
