@@ -13,7 +13,9 @@ each collective with an empty result of the right shape. What the run sees:
   from the op that made it to the moment it dies, so the peak is that of the program as
   PyTorch would run it, saved activations included; each storage is counted once, in the
   category it ends in: parameters (the pieces of the modules' parameters), gradients
-  (their `.grad`), optimizer state (every tensor in the optimizers' `state`), activations
+  (their `.grad`), optimizer state (every tensor in the optimizers' `state`), unsharded
+  (the parameters a `fully_shard` unit holds gathered, and its gathers in flight: counted
+  from the gather to the free, listed per unit; only for programs with units), activations
   (everything else).
 
 Modules and optimizers are found among `fn`'s arguments (also inside lists, tuples and
