@@ -6,7 +6,9 @@ its own file); `load(state_dict, checkpoint_id=dir)` fills a state dict in place
 DTensor in its own mesh and placements, by reading from the files the saved pieces that
 overlap what the rank holds. A checkpoint is a directory on a filesystem every rank shares;
 it is complete once `metadata.json` is in it, which save writes last. `save_pretrained(model,
-path)` writes a Hugging Face model whose parameters are DTensors as a `from_pretrained` directory.
+path)` writes a Hugging Face model whose parameters are DTensors as a `from_pretrained` directory,
+each rank writing its own pieces into the safetensors files (`save(state_dict,
+storage_writer=HuggingFaceStorageWriter(path))` does so for any state dict of tensors).
 
 Without a process group it is one process saving and loading whole tensors:
 
@@ -24,8 +26,9 @@ ValueError: cannot load the checkpoint '...' into this state dict; nothing was l
   - 'w': the checkpoint holds shape (2, 3), the state dict (3, 2): global shapes must match (layouts may differ)
 """
 
-from ..parallel._pretrained import save_pretrained
+from ._hf_pretrained import save_pretrained
+from ._hf_write import HuggingFaceStorageWriter
 from ._load import load
 from ._save import SaveFuture, async_save, save
 
-__all__ = ["load", "save", "async_save", "save_pretrained"]  # torch.distributed.checkpoint's names (SaveFuture is what async_save returns)
+__all__ = ["load", "save", "async_save", "save_pretrained", "HuggingFaceStorageWriter"]  # torch.distributed.checkpoint's names (SaveFuture is what async_save returns)

@@ -53,12 +53,17 @@ from ._agree import agree
 from ._files import checkpoint_dir, read_data, write_atomically
 from ._metadata import Entry, Piece, data_file, digest, dtype_name, read_metadata, write_metadata
 from ._paths import Path, is_stateful, leaves, show
+from ._writer import StorageWriter
 
 __all__ = ["save", "async_save", "SaveFuture"]
 
 
-def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike[str]]) -> None:
+def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike[str], None] = None,
+         storage_writer: Optional[StorageWriter] = None) -> None:
     """Save `state_dict` into the directory `checkpoint_id`, each rank writing only its own pieces.
+
+    With `storage_writer` (a `HuggingFaceStorageWriter`), the writer's format and guarantees
+    instead of the native ones below; `checkpoint_id`, if given, overrides the writer's path.
 
     Call it on every rank of the world with the same directory, on a filesystem every rank
     shares (each rank writes its own data file there; rank 0 reads them all to write the
@@ -83,6 +88,12 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
     temporary files of killed saves).
     """
     finish_pending()
+    if isinstance(storage_writer, StorageWriter):
+        storage_writer.write(state_dict, None if checkpoint_id is None else checkpoint_dir(checkpoint_id))
+        return
+    if storage_writer is not None or checkpoint_id is None:
+        raise TypeError(f"save needs checkpoint_id= (a directory) or storage_writer= (a StorageWriter, such as "
+                        f"HuggingFaceStorageWriter); got storage_writer={type(storage_writer).__name__}")
     _prepare(state_dict, checkpoint_id, staged=False).write(dist.group.WORLD)
 
 
