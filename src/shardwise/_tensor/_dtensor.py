@@ -27,7 +27,7 @@ from .._ops._utils import order_like
 from .._partition_spec import PartitionEntry, from_placements
 from .._placement import Partial, Placement, Replicate
 from .._spec import DTensorSpec, TensorMeta
-from . import _api
+from . import _api, _dcp
 from ._async import Pending
 from ._autograd import Redistribute, to_local
 from ._dispatch import torch_dispatch
@@ -221,6 +221,16 @@ class DTensor(DTensorBase, role="plain"):
         except comm.CollectiveError as exc:
             raise exc.add_operation(f"full_tensor of a {list(self.shape)} DTensor")
         return replicated.to_local(grad_placements=grad_placements)
+
+    # -- torch's distributed checkpoint: the boxes of the global tensor this rank holds (see `_dcp`)
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        return _dcp.write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        return _dcp.chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return _dcp.tensor_shard(self, index)
 
     # -- torch's own fully_shard ---------------------------------------------------
     # torch's FSDP asks a parameter's piece for these two (its tensor-subclass all-gather

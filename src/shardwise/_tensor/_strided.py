@@ -44,9 +44,12 @@ __all__ = ["Translation", "has_strided", "in_split_backward", "split_plan", "sli
 aten = torch.ops.aten
 
 # strategies (besides pointwise and view ops) that treat every position of a sharded dim alike
+# (the factories read no value: `new_empty` of the same shape must not gather, e.g. in
+# torch's async checkpoint staging, which makes each tensor's copy with it)
 _ALIKE = frozenset({
     "contraction_strategy", "_sum_strategy", "_mean_strategy", "zero_like_strategy", "value_like_strategy",
     "_norm_strategy", "foreach_pointwise_strategy", "foreach_reduction_strategy", "fused_optimizer_strategy",
+    "empty_like_strategy", "new_factory_strategy",
 })
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 _SLICE, _SLICE_BACKWARD = aten.slice.Tensor, aten.slice_backward.default
