@@ -90,6 +90,7 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
         stateful = {key for key, value in state_dict.items() if is_stateful(value)}
         tree = {key: state_dict[key].state_dict() if key in stateful else value for key, value in state_dict.items()}
         targets = dict(leaves(tree))
+        table = reader.fit(table, targets)
         problems = _mismatches(targets, table.entries, strict, reader.casts)
         if problems:
             raise ValueError(f"cannot load {name} into this state dict; nothing was loaded:\n" + "\n".join(problems))

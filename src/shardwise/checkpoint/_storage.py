@@ -13,12 +13,14 @@ it are read).
 |---|---|
 | `describe()` | how errors name the checkpoint, e.g. "the checkpoint '/ckpt'" |
 | `read_table()` | the `Table`; ValueError naming the file when the index is damaged |
+| `fit(table, targets)` | the table keyed by the state dict's leaf paths (default: as read) |
 | `value(piece, entry)` | the piece's value (a tensor of the piece's box shape); ValueError when it is not what the table says |
 | `casts` | True when a saved dtype may differ from the target's (the copy casts); else dtypes must match |
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path as FilePath
 from typing import Any
 
@@ -26,7 +28,7 @@ import torch
 
 from ._files import read_data
 from ._metadata import Entry, Piece, Table, digest, dtype_name, read_metadata
-from ._paths import show
+from ._paths import Path, show
 
 __all__ = ["NativeReader", "StorageReader"]
 
@@ -41,6 +43,11 @@ class StorageReader:
 
     def read_table(self) -> Table:
         raise NotImplementedError
+
+    def fit(self, table: Table, targets: Collection[Path]) -> Table:
+        """`table` keyed by the state dict's leaf paths `targets`, for a format whose keys lose
+        what a path says (DCP's dotted names make every dict key a str); by default `table`."""
+        return table
 
     def value(self, piece: Piece, entry: Entry) -> Any:
         raise NotImplementedError
