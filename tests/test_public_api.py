@@ -90,7 +90,7 @@ def test_pipeline_surface_is_pinned() -> None:
     assert shardwise.pipeline.GPipe is shardwise.pipeline.Pipe  # torchgpipe's name
 
 
-CHECKPOINT = ["load", "save", "async_save", "save_pretrained", "HuggingFaceStorageWriter", "HuggingFaceStorageReader", "load_pretrained", "FileSystemReader"]
+CHECKPOINT = ["load", "save", "async_save", "save_pretrained", "HuggingFaceStorageWriter", "HuggingFaceStorageReader", "load_pretrained", "FileSystemReader", "FileSystemWriter"]
 
 
 def test_checkpoint_surface_is_pinned() -> None:

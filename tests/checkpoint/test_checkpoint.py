@@ -494,7 +494,7 @@ def test_values_that_load_cannot_read_back_are_refused_by_name(tmp_path: Path) -
 
 
 def test_public_surface() -> None:
-    assert checkpoint.__all__ == ["load", "save", "async_save", "save_pretrained", "HuggingFaceStorageWriter", "HuggingFaceStorageReader", "load_pretrained", "FileSystemReader"]
+    assert checkpoint.__all__ == ["load", "save", "async_save", "save_pretrained", "HuggingFaceStorageWriter", "HuggingFaceStorageReader", "load_pretrained", "FileSystemReader", "FileSystemWriter"]
 
 
 @pytest.mark.parametrize("name", ["../outside.pt", "/etc/passwd", ".hidden.pt", "sub/rank_0.pt", ".."])

@@ -27,10 +27,11 @@ ValueError: cannot load the checkpoint '...' into this state dict; nothing was l
 """
 
 from ._dcp_read import FileSystemReader
+from ._dcp_write import FileSystemWriter
 from ._hf_pretrained import save_pretrained
 from ._hf_read import HuggingFaceStorageReader, load_pretrained
 from ._hf_write import HuggingFaceStorageWriter
 from ._load import load
 from ._save import SaveFuture, async_save, save
 
-__all__ = ["load", "save", "async_save", "save_pretrained", "HuggingFaceStorageWriter", "HuggingFaceStorageReader", "load_pretrained", "FileSystemReader"]  # torch.distributed.checkpoint's names (SaveFuture is what async_save returns)
+__all__ = ["load", "save", "async_save", "save_pretrained", "HuggingFaceStorageWriter", "HuggingFaceStorageReader", "load_pretrained", "FileSystemReader", "FileSystemWriter"]  # torch.distributed.checkpoint's names (SaveFuture is what async_save returns)
