@@ -62,7 +62,8 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
          storage_writer: Optional[StorageWriter] = None) -> None:
     """Save `state_dict` into the directory `checkpoint_id`, each rank writing only its own pieces.
 
-    With `storage_writer` (a `HuggingFaceStorageWriter`), the writer's format and guarantees
+    With `storage_writer` (a `HuggingFaceStorageWriter`, or a `FileSystemWriter` for torch's
+    DCP format), the writer's format and guarantees
     instead of the native ones below; `checkpoint_id`, if given, overrides the writer's path.
 
     Call it on every rank of the world with the same directory, on a filesystem every rank
@@ -92,8 +93,8 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: Union[str, os.PathLike
         storage_writer.write(state_dict, None if checkpoint_id is None else checkpoint_dir(checkpoint_id))
         return
     if storage_writer is not None or checkpoint_id is None:
-        raise TypeError(f"save needs checkpoint_id= (a directory) or storage_writer= (a StorageWriter, such as "
-                        f"HuggingFaceStorageWriter); got storage_writer={type(storage_writer).__name__}")
+        raise TypeError(f"save needs checkpoint_id= (a directory) or storage_writer= (a StorageWriter: "
+                        f"HuggingFaceStorageWriter, FileSystemWriter); got storage_writer={type(storage_writer).__name__}")
     _prepare(state_dict, checkpoint_id, staged=False).write(dist.group.WORLD)
 
 
