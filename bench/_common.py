@@ -57,6 +57,7 @@ class Settings:
     mlp: tuple[int, int, int]  # (model dim, hidden dim, batch)
     gpt: tuple[int, int, int, int, int, int]  # (vocab, d_model, heads, seq, layers, batch)
     fsdp: tuple[int, int, int]  # (pre-norm MLP blocks, width, rows per rank) of the sharded data parallel step
+    hf_load: tuple[int, int, int, int, str]  # Llama (hidden, MLP width, layers, vocab) and save_pretrained's max_shard_size
     timeout: float  # seconds a benchmark body may take on the workers
 
     def with_repeats(self, repeats: Optional[int]) -> "Settings":
@@ -77,6 +78,7 @@ FULL = Settings(
     mlp=(1024, 4096, 64),
     gpt=(256, 128, 4, 64, 4, 16),
     fsdp=(16, 256, 16),
+    hf_load=(512, 1536, 4, 4096, "20MB"),
     timeout=600.0,
 )
 QUICK = Settings(
@@ -89,6 +91,7 @@ QUICK = Settings(
     mlp=(64, 256, 8),
     gpt=(64, 32, 4, 8, 2, 4),  # tests/models.py's GPTConfig() and batch
     fsdp=(2, 16, 2),
+    hf_load=(64, 128, 2, 128, "100KB"),
     timeout=300.0,
 )
 

@@ -45,7 +45,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint",
-                                         "collective_bookkeeping", "cross_mesh", "dry_run", "planner", "planner_quality",
+                                         "collective_bookkeeping", "hf_load", "cross_mesh", "dry_run", "planner", "planner_quality",
                                          "planner_quality_llama"}
 
 
@@ -125,6 +125,18 @@ def test_checkpoint_and_collective_bookkeeping_rows(quick_run: Any) -> None:
     paths = [r["path"] for r in record["benchmarks"]["collective_bookkeeping"]["rows"]]
     assert paths == ["dist.all_reduce", "shardwise door", "door, SHARDWISE_CHECK=1"]
     assert "checkpoint of" in proc.stdout and "all_reduce of 8 fp32" in proc.stdout
+
+
+def test_hf_load_rows_read_only_own_pieces_and_equal_from_pretrained(quick_run: Any) -> None:
+    proc, record = quick_run
+    rows = {r["who"]: r for r in record["benchmarks"]["hf_load"]["rows"]}
+    assert set(rows) == {"shardwise HuggingFaceStorageReader", "torch HuggingFaceStorageReader"}
+    for r in rows.values():  # both loads gave transformers' from_pretrained weights, bitwise
+        assert r["check"] == "ok" and isinstance(r["ms"], float), r
+    ours = rows["shardwise HuggingFaceStorageReader"]
+    assert ours["read_vs_own"] <= 1.05, ours  # each rank read its own pieces' bytes
+    assert ours["allocator"] + ours["python"] <= ours["largest"] + 2**20, ours  # one piece + a fixed buffer
+    assert "load a transformers Llama" in proc.stdout
 
 
 def test_cross_mesh_rows_move_the_lower_bound(quick_run: Any) -> None:
