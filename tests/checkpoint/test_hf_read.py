@@ -119,8 +119,12 @@ def _load_llama_on_meta_two_d(path: str) -> None:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     model.to_empty(device="cpu")
+    rotary = model.model.rotary_emb.inv_freq
+    rotary.fill_(float("nan"))  # what to_empty may leave: no file holds the rotary tables
     assert load_pretrained(model, path) == ([], [])
     _same_as_from_pretrained(model, path, transformers.LlamaForCausalLM)
+    want = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).model.rotary_emb.inv_freq
+    assert torch.equal(model.model.rotary_emb.inv_freq, want)  # recomputed by the model's own init
 
 
 def test_a_llama_built_on_meta_split_tp_x_fully_shard_is_filled_by_load_pretrained(llama_dir: Path) -> None:

@@ -223,8 +223,10 @@ def load_pretrained(model: torch.nn.Module, path: Union[str, os.PathLike[str]], 
     ties to another (transformers' `all_tied_weights_keys`), which is read from the tensor it
     is tied to, and keys matching the model's `_keys_to_ignore_on_load_missing`; not
     counted as unexpected: keys matching `_keys_to_ignore_on_load_unexpected`. Buffers that
-    are not in the state dict (rotary tables) are not in the files either: a model
-    materialised with `to_empty` computes them itself. Returns the keys that did not match.
+    are not in the state dict (rotary tables) are not in the files either: they are computed
+    afresh by the model's own `_init_weights` (a transformers model's) on the modules that hold
+    such buffers and no parameters, so a model materialised with `to_empty` needs nothing
+    else. Returns the keys that did not match.
     """
     state = model.state_dict()
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
@@ -258,4 +260,17 @@ def load_pretrained(model: torch.nn.Module, path: Union[str, os.PathLike[str]], 
           size, "nothing was loaded, on any rank")
     entries = reader.read_table().entries if error is None else {}
     load({k: v for k, v in targets.items() if (k,) in entries}, storage_reader=reader, strict=False)
+    _recompute_buffers(model)
     return result
+
+
+def _recompute_buffers(model: torch.nn.Module) -> None:
+    """Recompute the buffers no file holds (non-persistent: rotary tables) with the model's own
+    init, on the modules that hold such buffers and no parameters (nothing loaded is touched)."""
+    init = getattr(model, "_init_weights", None)
+    if not callable(init):
+        return
+    with torch.no_grad():
+        for module in model.modules():
+            if module._non_persistent_buffers_set and next(module.parameters(recurse=False), None) is None:
+                init(module)
