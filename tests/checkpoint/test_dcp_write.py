@@ -30,6 +30,8 @@ from shardwise.checkpoint import _dcp_write
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from shardwise.testing import run_distributed
 
+from .test_dcp_format import _assert_same, _flat
+
 EXTRA = torch.arange(70.0).view(10, 7)  # on (2, 2) as [Shard(0), Shard(1)]: columns 4, 3
 
 
@@ -49,25 +51,6 @@ def _stepped(model: nn.Module, lr: float, forward: bool = True) -> torch.optim.O
             p.grad = torch.ones_like(p)
     opt.step()
     return opt
-
-
-def _flat(value: Any, where: str = "") -> dict[str, Any]:
-    """Every leaf by dotted path, tensors whole and cloned."""
-    if isinstance(value, dict):
-        return {k: v for key, item in value.items() for k, v in _flat(item, f"{where}.{key}".lstrip(".")).items()}
-    if isinstance(value, (list, tuple)):
-        return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{where}.{i}").items()}
-    value = value.full_tensor() if hasattr(value, "full_tensor") else value
-    return {where: value.detach().clone() if isinstance(value, torch.Tensor) else value}
-
-
-def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(got[key], value), key
-        else:
-            assert got[key] == value, key
 
 
 def _shardwise_state(seed: int) -> dict[str, Any]:
