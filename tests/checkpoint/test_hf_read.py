@@ -32,10 +32,10 @@ from shardwise.fsdp import fully_shard
 from shardwise.parallel import MegatronPlanner, parallelize_module, shard_module
 from shardwise.testing import run_distributed
 
+from .conftest import LLAMA
+
 transformers = pytest.importorskip("transformers")
 
-LLAMA = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
 GPT2 = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
 
 
@@ -47,14 +47,6 @@ def _llama(seed: int) -> Any:
 def _gpt2(seed: int) -> Any:
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama")
-    _llama(0).save_pretrained(path, max_shard_size="100KB")
-    assert len(list(path.glob("*.safetensors"))) >= 3 and (path / "model.safetensors.index.json").is_file()
-    return path
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

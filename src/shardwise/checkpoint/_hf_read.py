@@ -37,6 +37,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from .._redistribute._exchange import Box
+from ..pipeline._source import source_names
 from ._agree import agree
 from ._load import _load_group, load
 from ._metadata import Entry, Piece, Table, dtype_name, is_plain_name
@@ -217,34 +218,50 @@ def load_pretrained(model: torch.nn.Module, path: Union[str, os.PathLike[str]], 
     """Fill `model`'s parameters and buffers, in whatever layout they have, from the Hugging
     Face checkpoint at `path` (what `save_pretrained` wrote); every rank of the model calls it.
 
+    `model` is a transformers model, or a pipeline cut from one (`hf_sequential(model)`, or a
+    `DistributedPipe` of it, each rank filling the stages it holds): a pipeline's tensors are
+    looked up by their names in the model it was cut from.
+
     Keys match as in `model.load_state_dict(strict=strict)`: with `strict=True` a key the
     model has but the files lack, or the other way round, is a ValueError listing them all,
-    raised on every rank before anything is read. Not counted as missing: a weight the model
-    ties to another (transformers' `all_tied_weights_keys`), which is read from the tensor it
-    is tied to, and keys matching the model's `_keys_to_ignore_on_load_missing`; not
+    raised on every rank before anything is read (for a pipeline, a key in the files is
+    expected when any stage of the whole model holds it). Not counted as missing: a weight the
+    model ties to another (transformers' `all_tied_weights_keys`), which is read from the
+    tensor it is tied to, and keys matching the model's `_keys_to_ignore_on_load_missing`; not
     counted as unexpected: keys matching `_keys_to_ignore_on_load_unexpected`. Buffers that
     are not in the state dict (rotary tables) are not in the files either: they are computed
     afresh by the model's own `_init_weights` (a transformers model's) on the modules that hold
     such buffers and no parameters, so a model materialised with `to_empty` needs nothing
-    else. Returns the keys that did not match.
+    else. Returns the keys that did not match, by the model's names.
     """
-    state = model.state_dict()
-    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    source = source_names(model)
+    hf: Any = model
+    names: Mapping[str, str] = {}
+    if source is not None:
+        hf = source.source_model()
+        if hf is None:
+            raise ValueError(f"{type(model).__name__} was cut from a model that no longer exists, and load_pretrained "
+                             "takes that model's tied weights, ignore lists and init from it: keep the model "
+                             "given to hf_sequential alive until the load is done")
+        names = source.names
+    state = {names.get(k, k): v for k, v in model.state_dict().items()}
+    every = source.keys if source is not None else frozenset(state)
+    tied = dict(getattr(hf, "all_tied_weights_keys", None) or {})
     reader = HuggingFaceStorageReader(path, aliases=tied)
     error: Optional[Exception] = None
     targets: dict[str, Any] = {}
     result = IncompatibleKeys([], [])
     try:
         saved = {str(p[0]) for p in reader.read_table().entries}
-        params = dict(model.named_parameters(remove_duplicate=False))
+        params = {names.get(k, k): v for k, v in model.named_parameters(remove_duplicate=False)}
         # a tied weight that is still one parameter with its source is filled through it
         same = {k for k, s in tied.items() if k in params and params[k] is params.get(s)}
         targets = {k: v for k, v in state.items() if k not in same}
-        ignore_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
-        ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
+        ignore_missing = _patterns(hf, "_keys_to_ignore_on_load_missing")
+        ignore_unexpected = _patterns(hf, "_keys_to_ignore_on_load_unexpected")
         result = IncompatibleKeys(
             [k for k in state if k not in saved and k not in same and not any(p.search(k) for p in ignore_missing)],
-            sorted(k for k in saved if k not in state and k not in tied
+            sorted(k for k in saved if k not in every and k not in tied
                    and not any(p.search(k) for p in ignore_unexpected)))
         if strict and (result.missing_keys or result.unexpected_keys):
             lines = [f"  - {what}: {', '.join(repr(k) for k in keys[:20])}{' and more' if len(keys) > 20 else ''}"
@@ -260,14 +277,15 @@ def load_pretrained(model: torch.nn.Module, path: Union[str, os.PathLike[str]], 
           size, "nothing was loaded, on any rank")
     entries = reader.read_table().entries if error is None else {}
     load({k: v for k, v in targets.items() if (k,) in entries}, storage_reader=reader, strict=False)
-    _recompute_buffers(model)
+    _recompute_buffers(model, hf)
     return result
 
 
-def _recompute_buffers(model: torch.nn.Module) -> None:
-    """Recompute the buffers no file holds (non-persistent: rotary tables) with the model's own
-    init, on the modules that hold such buffers and no parameters (nothing loaded is touched)."""
-    init = getattr(model, "_init_weights", None)
+def _recompute_buffers(model: torch.nn.Module, hf: Any) -> None:
+    """Recompute the buffers no file holds (non-persistent: rotary tables) with the init of
+    `hf` (the transformers model), on the modules of `model` that hold such buffers and no
+    parameters (nothing loaded is touched)."""
+    init = getattr(hf, "_init_weights", None)
     if not callable(init):
         return
     with torch.no_grad():

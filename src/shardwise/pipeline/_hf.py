@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from .._describe import describe
+from ._source import record_source
 
 __all__ = ["hf_loss", "hf_sequential"]
 
@@ -66,7 +67,15 @@ def _model_type(model: nn.Module) -> str:
 def hf_sequential(model: nn.Module) -> nn.Sequential:
     """`model` (an HF causal LM or `T5ForConditionalGeneration`) as an `nn.Sequential` of its
     own modules for `DistributedPipe` / `Pipe`; see the module docstring for what each layer
-    takes and gives. Its output is the logits, as `model(...).logits`."""
+    takes and gives. Its output is the logits, as `model(...).logits`. It remembers each
+    tensor's name in `model`, so `checkpoint.load_pretrained(pipe, path)` fills a pipeline's
+    stages from the model's checkpoint."""
+    layers = _cut(model)
+    record_source(layers, model)
+    return layers
+
+
+def _cut(model: nn.Module) -> nn.Sequential:
     kind = _model_type(model)
     model_: Any = model  # an HF model: its parts are found by name
     if kind in _DECODERS and hasattr(model, "model") and hasattr(model, "lm_head"):

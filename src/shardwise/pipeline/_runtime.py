@@ -71,6 +71,7 @@ from ..parallel._data_parallel import data_parallel
 from ._gradients import check_shared, reduce_gradients, shared_across_ranks, shared_groups, sum_shared_gradients
 from ._microbatch import BatchValue, gather
 from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from ._source import carry_source
 from ._stage import PipelineStage, split_module
 from ._step import StepRun
 from ._tensor_parallel import check_tp_plan, shard_stage, tp_dim_of
@@ -175,7 +176,8 @@ class DistributedPipe(nn.Module):
         local = self.schedule.rank_stages(self.pp_rank)
         shared = shared_across_ranks(partitions, self.schedule.stage_rank)  # before sharding makes new objects
         check_shared(topology, shared, shard_parameters)
-        mine = {j: partitions[j].to(self.device) for j in local}
+        # a stage built on meta stays there (split and sharded as it is) until `pipe.to_empty(device=...)`
+        mine = {j: partitions[j] if _on_meta(partitions[j]) else partitions[j].to(self.device) for j in local}
         self.tp_dim, self.tp_mesh = tp_dim, tp_mesh
         for part in mine.values():  # each stage's layers sharded over its tp sub-mesh (and over dp: ZeRO-3)
             shard_stage(part, self.tp_mesh, tp_plan)
@@ -184,6 +186,7 @@ class DistributedPipe(nn.Module):
                 data_parallel(part, zero_mesh, dp_dim=dp_dim, shard_parameters=True, bucket_cap_mb=bucket_cap_mb)
         self.shard_parameters = shard_parameters
         self.partitions = nn.ModuleDict({str(j): part for j, part in mine.items()})
+        carry_source(module, self, {f"partitions.{j}.": "" for j in mine})  # the names of hf_sequential's model
         self.stages = {j: PipelineStage(part, j, len(balance), self.rank) for j, part in mine.items()}
         self.num_stages = len(balance)
         del partitions, mine  # the other ranks' layers are not kept here
@@ -406,6 +409,10 @@ def _schedule_problems(pp: int, schedule: str, virtual_stages: Optional[int], nu
             if virtual_stages not in (None, 1):
                 problems.append(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
     return problems
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
 def _default_device(mesh: DeviceMesh) -> torch.device:
