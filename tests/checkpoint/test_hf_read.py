@@ -2,7 +2,8 @@
 
 A small seeded Llama is written by transformers' own `save_pretrained` into 4 safetensors
 files behind an index, then loaded into differently seeded models laid out by the Megatron
-planner on (4,), by `fully_shard` on (4,), and built on meta, split by TP x fully_shard on
+planner on (4,), by a torch-style TP plan on (4,), by `fully_shard` on (4,), by TP x `fully_shard`
+on (2, 2), and built on meta, split by TP x fully_shard on
 (2, 2) and materialised with `to_empty`: every parameter must equal bitwise what
 transformers' `from_pretrained` gives, and each rank must read no more than 1.05x the bytes
 of its own pieces (counted by the reader, and in one process checked against the kernel's
@@ -76,7 +77,24 @@ def _fully_shard(model: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
-LAYOUTS: dict[str, Callable[[Any], None]] = {"megatron-tp4": _megatron, "fully_shard4": _fully_shard}
+def _torch_style(model: Any) -> None:
+    from ..parallel.test_hf_models import torch_style_plan
+
+    parallelize_module(model, sw.init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)), torch_style_plan(model))
+
+
+def _tp_x_fully_shard(model: Any) -> None:
+    from ..parallel.test_hf_models import torch_style_plan
+
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], torch_style_plan(model))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
+LAYOUTS: dict[str, Callable[[Any], None]] = {"megatron-tp4": _megatron, "torch-plan-tp4": _torch_style,
+                                             "fully_shard4": _fully_shard, "tp2-x-fully_shard2": _tp_x_fully_shard}
 
 
 def _load_llama(path: str, layout: str) -> tuple[int, int]:
