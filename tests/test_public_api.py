@@ -99,6 +99,20 @@ def test_checkpoint_surface_is_pinned() -> None:
     assert list(shardwise.checkpoint.__all__) == CHECKPOINT  # torch.distributed.checkpoint's names
 
 
+def test_checkpoint_state_dict_mirrors_torchs_functions() -> None:
+    import inspect
+
+    import torch.distributed.checkpoint.state_dict as theirs
+
+    import shardwise.checkpoint.state_dict as ours
+
+    assert ours.StateDictOptions is theirs.StateDictOptions
+    for name in ours.__all__:
+        if name != "StateDictOptions":
+            assert list(inspect.signature(getattr(ours, name)).parameters) == \
+                list(inspect.signature(getattr(theirs, name)).parameters), name
+
+
 FSDP = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]
 
 

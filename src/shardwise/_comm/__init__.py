@@ -35,7 +35,7 @@ from ._door import (
 )
 from ._dry import dry_run_number
 from ._fault import CollectiveError, checking
-from ._metadata import all_gather_ints, broadcast, gather_over_mesh
+from ._metadata import all_gather_ints, broadcast, broadcast_object, gather_over_mesh
 from ._p2p import P2PError, P2PRecord, P2PWork, irecv, isend, recv, send
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_coalesced",
     "broadcast",
+    "broadcast_object",
     "checking",
     "dry_run_number",
     "comm_log",

@@ -6,15 +6,17 @@ order), but never become graph nodes in a trace (`traceable=False`).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ._collectives import AllGather, Broadcast
 from ._door import run
 
-__all__ = ["all_gather_ints", "broadcast", "gather_over_mesh"]
+__all__ = ["all_gather_ints", "broadcast", "broadcast_object", "gather_over_mesh"]
 
 
 def all_gather_ints(values: Sequence[int], group: Any, n: int) -> list[list[int]]:
@@ -45,3 +47,15 @@ def broadcast(tensor: torch.Tensor, group: Any, n: int, src: int) -> torch.Tenso
     """Global rank `src`'s `tensor` on every rank of `group` (a contiguous tensor, returned)."""
     record = Broadcast(group=group, size=n, shape=tuple(tensor.shape), dtype=tensor.dtype, src=src)
     return run(record, tensor, traceable=False)
+
+
+def broadcast_object(obj: Any, group: Any, n: int, src: int, device: Any = "cpu") -> Any:
+    """Global rank `src`'s picklable `obj` on every rank of `group` (its length, then its
+    bytes: two broadcasts). Only for objects this job made: the bytes are unpickled."""
+    mine = dist.get_rank() == src
+    data = pickle.dumps(obj) if mine else b""
+    size = int(broadcast(torch.tensor([len(data)], dtype=torch.int64, device=device), group, n, src).item())
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if mine else
+              torch.empty(size, dtype=torch.uint8, device=device))
+    got = broadcast(buffer, group, n, src)
+    return obj if mine else pickle.loads(got.cpu().numpy().tobytes())

@@ -9,6 +9,9 @@ it is complete once `metadata.json` is in it, which save writes last. `save_pret
 path)` writes a Hugging Face model whose parameters are DTensors as a `from_pretrained` directory,
 each rank writing its own pieces into the safetensors files (`save(state_dict,
 storage_writer=HuggingFaceStorageWriter(path))` does so for any state dict of tensors).
+`FileSystemReader` / `FileSystemWriter` read and write torch DCP's own format, and
+`shardwise.checkpoint.state_dict` is `torch.distributed.checkpoint.state_dict` for models of
+shardwise DTensors (full state dicts gathered, and loaded back into each tensor's layout).
 
 Without a process group it is one process saving and loading whole tensors:
 
