@@ -99,6 +99,13 @@ def test_checkpoint_surface_is_pinned() -> None:
     assert list(shardwise.checkpoint.__all__) == CHECKPOINT  # torch.distributed.checkpoint's names
 
 
+def test_experimental_surface_is_pinned() -> None:
+    import shardwise.experimental
+
+    assert list(shardwise.experimental.__all__) == ["context_parallel", "context_parallel_unshard", "set_load_balance",
+                                                    "set_rotate_method"]
+
+
 def test_checkpoint_state_dict_mirrors_torchs_functions() -> None:
     import inspect
 

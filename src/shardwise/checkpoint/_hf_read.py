@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from .._redistribute._exchange import Box
-from ..pipeline._source import source_names
+from .._source_names import source_names
 from ._agree import agree
 from ._load import _load_group, load
 from ._metadata import Entry, Piece, Table, dtype_name, is_plain_name

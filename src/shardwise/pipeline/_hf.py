@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from .._describe import describe
-from ._source import record_source
+from .._source_names import record_source
 
 __all__ = ["hf_loss", "hf_sequential"]
 

@@ -66,12 +66,12 @@ from .._describe import describe
 from .._groups import POINT_TO_POINT
 from .._mesh import DeviceMesh, collective_timeout
 from .._mesh_dry import DryGroup, DryMesh, as_device_mesh
+from .._source_names import carry_source
 from .._tensor import DTensor
 from ..parallel._data_parallel import data_parallel
 from ._gradients import check_shared, reduce_gradients, shared_across_ranks, shared_groups, sum_shared_gradients
 from ._microbatch import BatchValue, gather
 from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from ._source import carry_source
 from ._stage import PipelineStage, split_module
 from ._step import StepRun
 from ._tensor_parallel import check_tp_plan, shard_stage, tp_dim_of

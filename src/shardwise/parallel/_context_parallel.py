@@ -1,0 +1,177 @@
+"""Context parallelism: one long sequence split over the ranks of a cp mesh, attention exact.
+
+`context_parallel(mesh, buffers=[...], buffer_seq_dims=[...])` is torch's experimental
+context manager, on CPU and on any device: on entry every listed buffer (input ids,
+position ids, labels, rotary tables) is cut in place along its sequence dim to the tokens
+this rank holds; inside it, every `F.scaled_dot_product_attention` call of the model (an
+unchanged Hugging Face model's sdpa attention included) runs over the whole sequence with
+this rank's queries (`_cp_attention`); on exit the buffers get their whole values back,
+gathered from the ranks (unless listed in `no_restore_buffers`).
+
+    cp = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    positions = torch.arange(ids.size(1)).expand_as(ids)
+    shift = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)  # next-token labels, shifted once
+    with context_parallel(cp, buffers=[ids, positions, shift], buffer_seq_dims=[1, 1, 1]):
+        loss = model(input_ids=ids, position_ids=positions, shift_labels=shift).loss  # this rank's tokens
+        loss.backward()
+
+Pass `position_ids`, so the rotary tables are indexed by global positions, and labels
+shifted once over the whole sequence (`shift_labels`), since a model that shifts its
+`labels` itself would shift within each rank's piece. The cp ranks hold the same
+parameters and each computes the gradient of its own tokens' loss: reduce the gradients
+over cp as over data parallel (`fully_shard` or `data_parallel` on a mesh that includes
+the cp dim), weighting by tokens when pieces differ in length.
+
+Tokens are split head-tail by default (`SequenceLayout`); `set_load_balance(False)` gives
+contiguous pieces. `set_rotate_method` picks how K/V reach the queries: `"allgather"`
+(default) or `"ulysses"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .._comm import all_gather_ints
+from .._describe import describe
+from .._mesh import DeviceMesh
+from .._tensor import DTensor
+from ._cp_attention import ROTATIONS, CpAttention
+from ._cp_comm import CpGroup, gather_pieces
+from ._cp_layout import SequenceLayout
+
+__all__ = ["context_parallel", "context_parallel_unshard", "set_load_balance", "set_rotate_method"]
+
+
+@dataclass
+class _Options:
+    """What `set_rotate_method` and `set_load_balance` chose (for contexts entered later)."""
+
+    rotate: str = "allgather"
+    balanced: bool = True
+
+
+_OPTIONS = _Options()
+
+
+def set_rotate_method(method: str) -> None:
+    """How keys and values reach the queries of other ranks: "allgather" (default) or "ulysses"."""
+    if method not in ROTATIONS:
+        raise ValueError(f"set_rotate_method({method!r}): the rotations are {list(ROTATIONS)}")
+    _OPTIONS.rotate = method
+
+
+def set_load_balance(balanced: bool) -> None:
+    """Head-tail pieces (True, the default: rank r holds chunks r and 2cp-1-r of 2cp), or contiguous ones."""
+    _OPTIONS.balanced = bool(balanced)
+
+
+def _cp_group(mesh: Any) -> CpGroup:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"context_parallel takes the cp DeviceMesh, got {describe(mesh)}")
+    if mesh.ndim != 1:
+        raise ValueError(f"context_parallel takes a 1-D cp mesh, got a {mesh.ndim}-D mesh with dims "
+                         f"{mesh.mesh_dim_names}: pass its cp sub-mesh, e.g. mesh['cp']")
+    return CpGroup(mesh.get_group(0), mesh.size(), mesh.get_local_rank(0))
+
+
+def _check_buffers(buffers: Sequence[torch.Tensor], dims: Sequence[int]) -> int:
+    """The sequence length the buffers share; every problem with them raised at once."""
+    problems: list[str] = []
+    if len(buffers) != len(dims):
+        problems.append(f"{len(buffers)} buffers but {len(dims)} buffer_seq_dims: give one sequence dim per buffer")
+    lengths = {}
+    for i, (b, d) in enumerate(zip(buffers, dims)):
+        if not isinstance(b, torch.Tensor) or isinstance(b, DTensor):
+            problems.append(f"buffers[{i}] is {describe(b)}: buffers are plain tensors, whole on every rank")
+            continue
+        if not -b.dim() <= d < b.dim():
+            problems.append(f"buffer_seq_dims[{i}]={d} is out of range for buffers[{i}] of shape {tuple(b.shape)}")
+            continue
+        lengths[i] = b.size(d)
+    if len(set(lengths.values())) > 1:
+        problems.append("the buffers' sequence dims differ in length: " +
+                        ", ".join(f"buffers[{i}] {n}" for i, n in lengths.items()) +
+                        ": list buffers of one sequence, with the dim that runs along it")
+    if problems:
+        raise ValueError("context_parallel:\n" + "\n".join(f"  - {p}" for p in problems))
+    return next(iter(lengths.values()), 0)
+
+
+class _Attention(TorchFunctionMode):
+    """Runs every `F.scaled_dot_product_attention` inside the context context-parallel."""
+
+    def __init__(self, attention: CpAttention) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Optional[dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.attention(F.scaled_dot_product_attention, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _set(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        buffer.resize_(value.shape)
+        buffer.copy_(value)
+
+
+@contextlib.contextmanager
+def context_parallel(mesh: DeviceMesh, *, buffers: Optional[Sequence[torch.Tensor]] = None,
+                     buffer_seq_dims: Optional[Sequence[int]] = None,
+                     no_restore_buffers: Optional[set[torch.Tensor]] = None) -> Iterator[CpAttention]:
+    """Split `buffers` along `buffer_seq_dims` over the 1-D cp `mesh` and run attention
+    context-parallel until the block ends (see the module docstring). Yields the attention
+    object (`explain()` says what it does)."""
+    cp = _cp_group(mesh)
+    buffers, dims = list(buffers or []), [int(d) for d in (buffer_seq_dims or [])]
+    length = _check_buffers(buffers, dims)
+    layout = SequenceLayout(length, cp.size, _OPTIONS.balanced) if buffers else None
+    if layout is None:
+        raise ValueError("context_parallel needs the buffers that carry the sequence (input ids, position ids, "
+                         "labels) and their sequence dims: buffers=[...], buffer_seq_dims=[...]")
+    keep = {id(b) for b in (no_restore_buffers or ())}
+    for b, d in zip(buffers, dims):
+        _set(b, b.index_select(d, layout.index(cp.rank, b.device)))
+    attention = CpAttention(layout, cp, _OPTIONS.rotate)
+    try:
+        with _Attention(attention):
+            yield attention
+    finally:
+        for b, d in zip(buffers, dims):
+            if id(b) not in keep:
+                _set(b, _unshard(b, d % b.dim(), layout, cp))
+
+
+def _unshard(local: torch.Tensor, dim: int, layout: SequenceLayout, cp: CpGroup) -> torch.Tensor:
+    """The whole buffer from every rank's piece (gathered rank by rank, then put in sequence order)."""
+    gathered = gather_pieces(local, dim, layout.lengths, cp)
+    whole = torch.empty_like(gathered)
+    return whole.index_copy_(dim, layout.gathered_index(local.device), gathered)
+
+
+def context_parallel_unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int]
+                             ) -> list[torch.Tensor]:
+    """The whole tensors of `buffers`, each one rank's piece of a sequence split by
+    `context_parallel` (with the load balance in effect), gathered over the cp `mesh`."""
+    cp = _cp_group(mesh)
+    out = []
+    for b, d in zip(buffers, seq_dims):
+        d = d % b.dim()
+        lengths = [n for (n,) in all_gather_ints([b.size(d)], cp.group, cp.size)]
+        layout = SequenceLayout(sum(lengths), cp.size, _OPTIONS.balanced)
+        if tuple(lengths) != layout.lengths:
+            raise ValueError(f"context_parallel_unshard: the ranks hold {lengths} tokens, but a "
+                             f"{sum(lengths)}-token sequence split {'head-tail' if layout.balanced else 'contiguously'}"
+                             f" gives {list(layout.lengths)}: unshard with the load balance the sequence was split by")
+        out.append(_unshard(b, d, layout, cp))
+    return out

@@ -1,0 +1,149 @@
+"""Context parallelism: attention over a sequence split between ranks, against one process.
+
+`scaled_dot_product_attention` on q, k, v split along the sequence by `context_parallel`
+(every rotation, load balance on and off, causal and full, grouped-query heads, even and
+uneven lengths) gives the output and the q/k/v gradients of SDPA on the whole sequence in
+one process, to 1e-12 in float64. An unchanged HF Llama (sdpa, GQA, causal) at cp=4 gives
+the logits, the loss and every parameter gradient of one process for sequence lengths 64,
+60 (uneven pieces) and 8 x cp, and restores its buffers on exit. Bad input (a 2-D mesh,
+buffers of different lengths, an explicit mask, heads Ulysses cannot split) is a
+ValueError naming the values, raised before any collective.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise.experimental import context_parallel, context_parallel_unshard, set_load_balance, set_rotate_method
+from shardwise.testing import run_distributed
+
+ROTATIONS = ["allgather", "ulysses"]
+
+
+def _cp_mesh() -> Any:
+    return sw.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+
+
+def _attention(seq: int, rotate: str, balanced: bool, causal: bool, kv_heads: int) -> None:
+    set_rotate_method(rotate)
+    set_load_balance(balanced)
+    g = torch.Generator().manual_seed(seq)
+    q, out_grad = (torch.randn(2, 4, seq, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, kv_heads, seq, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*whole, is_causal=causal, enable_gqa=kv_heads != 4)
+    want.backward(out_grad)
+    mesh = _cp_mesh()
+    buffers = [q.clone(), k.clone(), v.clone(), out_grad.clone()]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
+        local = [b.clone().requires_grad_() for b in buffers[:3]]
+        got = F.scaled_dot_product_attention(*local, is_causal=causal, enable_gqa=kv_heads != 4)
+        got.backward(buffers[3])
+        gathered = context_parallel_unshard(mesh, [got.detach()] + [t.grad for t in local], [2, 2, 2, 2])
+    assert buffers[0].shape == q.shape and torch.equal(buffers[0], q)  # restored on exit
+    for name, value, reference in zip(("out", "q.grad", "k.grad", "v.grad"), gathered,
+                                      [want] + [t.grad for t in whole]):
+        torch.testing.assert_close(value, reference, rtol=0, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("balanced", [True, False], ids=["head-tail", "contiguous"])
+@pytest.mark.parametrize("rotate", ROTATIONS)
+def test_attention_on_a_split_sequence_equals_one_process(rotate: str, balanced: bool, causal: bool) -> None:
+    run_distributed(_attention, 4, 37, rotate, balanced, causal, 2, timeout=120)  # 37: uneven pieces, GQA
+
+
+@pytest.mark.parametrize("rotate", ROTATIONS)
+def test_attention_with_as_many_kv_heads_as_query_heads_and_an_even_sequence(rotate: str) -> None:
+    run_distributed(_attention, 4, 32, rotate, True, True, 4, timeout=120)
+
+
+LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def _llama(seq: int, rotate: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    set_rotate_method(rotate)
+    set_load_balance(True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).double()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(seq).expand(2, seq).clone()
+    shift = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)  # next-token labels, shifted once
+    whole = reference(input_ids=ids, position_ids=positions)
+    want = F.cross_entropy(whole.logits.flatten(0, 1), shift.flatten(), ignore_index=-100)
+    want.backward()
+    counted = int((shift != -100).sum())
+    saved = [t.clone() for t in (ids, positions, shift)]
+
+    mesh = _cp_mesh()
+    with context_parallel(mesh, buffers=[ids, positions, shift], buffer_seq_dims=[1, 1, 1]):
+        out = model(input_ids=ids, position_ids=positions)
+        # this rank's tokens' share of the mean over all tokens
+        loss = F.cross_entropy(out.logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum") / counted
+        loss.backward()
+        hf_loss = model(input_ids=ids, position_ids=positions, labels=shift, shift_labels=shift).loss
+        mine = int((shift != -100).sum())
+        logits = context_parallel_unshard(mesh, [out.logits.detach()], [1])[0]
+    for got, before in zip((ids, positions, shift), saved):
+        assert torch.equal(got, before)  # the buffers are whole again
+    torch.testing.assert_close(logits, whole.logits, rtol=0, atol=1e-10)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    assert abs(total.item() - want.item()) <= 1e-12
+    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # the cp ranks' gradients of their own tokens, summed
+        torch.testing.assert_close(grad, r.grad, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    # the model's own loss upcasts the logits to float32: it equals the mean over this rank's
+    # tokens of one process's float32 loss, computed by hand, to float32 rounding
+    mean = hf_loss.detach() * mine / counted
+    dist.all_reduce(mean)
+    assert abs(mean.item() - want.item()) <= 1e-6
+
+
+@pytest.mark.parametrize("seq", [64, 60, 32], ids=["64", "60-uneven", "8xcp"])
+@pytest.mark.parametrize("rotate", ROTATIONS)
+def test_an_unchanged_hf_llama_at_cp4_equals_one_process(rotate: str, seq: int) -> None:
+    run_distributed(_llama, 4, seq, rotate, timeout=300)
+
+
+def _bad_input() -> None:
+    mesh = _cp_mesh()
+    two_d = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"1-D cp mesh.*mesh\['cp'\]"):
+        with context_parallel(two_d, buffers=[ids], buffer_seq_dims=[1]):
+            pass
+    with pytest.raises(ValueError, match=r"buffers\[0\] 16, buffers\[1\] 12"):
+        with context_parallel(mesh, buffers=[ids, torch.zeros(2, 12)], buffer_seq_dims=[1, 1]):
+            pass
+    with pytest.raises(ValueError, match=r"buffer_seq_dims\[0\]=2 is out of range"):
+        with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[2]):
+            pass
+    assert ids.shape == (2, 16)  # nothing was cut
+    q = torch.zeros(1, 2, 16, 4)
+    with pytest.raises(ValueError, match="explicit attn_mask"):
+        with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    set_rotate_method("ulysses")
+    q6 = torch.zeros(1, 6, 16, 4)
+    with pytest.raises(ValueError, match="query has 6 heads: use a cp size dividing 6"):
+        with context_parallel(mesh, buffers=[q6], buffer_seq_dims=[2]):
+            F.scaled_dot_product_attention(q6, q6, q6, is_causal=True)
+    set_rotate_method("allgather")
+    with pytest.raises(ValueError, match=r"set_rotate_method\('ring'\)"):
+        set_rotate_method("ring")
+
+
+def test_bad_input_is_a_value_error_naming_the_values() -> None:
+    run_distributed(_bad_input, 4, timeout=120)
