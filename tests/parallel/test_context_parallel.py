@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.experimental import context_parallel, context_parallel_unshard, set_load_balance, set_rotate_method
+from shardwise.parallel import parallelize_module
 from shardwise.testing import run_distributed
 
 ROTATIONS = ["allgather", "ulysses"]
@@ -147,3 +148,86 @@ def _bad_input() -> None:
 
 def test_bad_input_is_a_value_error_naming_the_values() -> None:
     run_distributed(_bad_input, 4, timeout=120)
+
+
+def _llama_composed(kind: str) -> None:
+    """cp x tp (a torch-style TP plan over tp, CP over cp) or dp x cp (`fully_shard` over all
+    4 ranks, each dp half of the batch split over cp) on (2, 2), against one process."""
+    transformers = pytest.importorskip("transformers")
+    from shardwise.fsdp import fully_shard
+
+    from .test_hf_models import torch_style_plan
+
+    set_rotate_method("allgather")
+    set_load_balance(True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).double()
+    reference = copy.deepcopy(model)
+    seq = 30  # 4 chunks of 7 or 8 per cp=2 sequence: uneven
+    ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(1))
+    shift = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    whole = reference(input_ids=ids, position_ids=torch.arange(seq).expand(2, seq))
+    want = F.cross_entropy(whole.logits.flatten(0, 1), shift.flatten(), ignore_index=-100)
+    want.backward()
+    counted = int((shift != -100).sum())
+
+    names = ("cp", "tp") if kind == "cp-x-tp" else ("dp", "cp")
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    if kind == "cp-x-tp":
+        parallelize_module(model, mesh["tp"], torch_style_plan(model))
+        scale = 1.0
+    else:
+        world = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("dp_cp",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=world)
+        fully_shard(model, mesh=world)
+        row = mesh.get_local_rank("dp")
+        ids, shift = ids[row:row + 1].clone(), shift[row:row + 1].clone()  # this dp rank's sample
+        scale = 4.0  # fully_shard averages the 4 ranks' gradients; each rank's loss is its tokens' share of the sum
+    positions = torch.arange(seq).expand(ids.size(0), seq).clone()
+    with context_parallel(mesh["cp"], buffers=[ids, positions, shift], buffer_seq_dims=[1, 1, 1]):
+        out = model(input_ids=ids, position_ids=positions)
+        loss = F.cross_entropy(out.logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum")
+        (loss * scale / counted).backward()
+    total = loss.detach() / counted
+    dist.all_reduce(total)
+    if kind == "cp-x-tp":
+        total /= 2  # each tp rank holds its cp piece's loss
+    assert abs(total.item() - want.item()) <= 1e-12, (total.item(), want.item())
+    cp_group = mesh.get_group("cp")
+    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = p.grad
+        if kind == "cp-x-tp":  # the cp ranks' gradients of their own tokens, summed by hand here
+            local = grad.to_local() if isinstance(grad, sw.DTensor) else grad
+            dist.all_reduce(local, group=cp_group)
+        full = grad.full_tensor() if isinstance(grad, sw.DTensor) else grad
+        torch.testing.assert_close(full, r.grad, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["cp-x-tp", "dp-x-cp-fully_shard"])
+def test_context_parallel_composes_with_tp_and_fully_shard_on_a_2x2_mesh(kind: str) -> None:
+    run_distributed(_llama_composed, 4, kind, timeout=300)
+
+
+def _bytes(rotate: str) -> None:
+    from shardwise.debug import comm_log
+
+    set_rotate_method(rotate)
+    set_load_balance(True)
+    b, heads, kv_heads, seq, d, cp = 2, 8, 4, 64, 16, 4
+    q = torch.randn(b, heads, seq, d)
+    k, v = torch.randn(b, kv_heads, seq, d), torch.randn(b, kv_heads, seq, d)
+    with context_parallel(_cp_mesh(), buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        with comm_log() as log:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    got = [(r.op, r.bytes_received) for r in log]
+    whole = {name: t.numel() * t.element_size() for name, t in (("q", q), ("k", k), ("v", v))}  # restored on exit
+    if rotate == "allgather":  # K and V: (cp-1)/cp of each
+        assert got == [("all_gather", whole["k"] * (cp - 1) // cp), ("all_gather", whole["v"] * (cp - 1) // cp)], got
+    else:  # q, k, v to heads and the output (q's size) back: (cp-1)/cp of each rank's piece
+        assert got == [("all_to_all", whole[n] // cp * (cp - 1) // cp) for n in "qkvq"], got
+
+
+@pytest.mark.parametrize("rotate", ROTATIONS)
+def test_kv_bytes_per_rank_in_comm_log_equal_the_bound(rotate: str) -> None:
+    run_distributed(_bytes, 4, rotate, timeout=120)
