@@ -25,7 +25,7 @@ from shardwise.experimental import context_parallel, context_parallel_unshard, s
 from shardwise.parallel import parallelize_module
 from shardwise.testing import run_distributed
 
-ROTATIONS = ["allgather", "ulysses"]
+ROTATIONS = ["allgather", "ring", "alltoall", "ulysses"]
 
 
 def _cp_mesh() -> Any:
@@ -142,8 +142,8 @@ def _bad_input() -> None:
         with context_parallel(mesh, buffers=[q6], buffer_seq_dims=[2]):
             F.scaled_dot_product_attention(q6, q6, q6, is_causal=True)
     set_rotate_method("allgather")
-    with pytest.raises(ValueError, match=r"set_rotate_method\('ring'\)"):
-        set_rotate_method("ring")
+    with pytest.raises(ValueError, match=r"set_rotate_method\('zigzag'\)"):
+        set_rotate_method("zigzag")
 
 
 def test_bad_input_is_a_value_error_naming_the_values() -> None:
@@ -224,6 +224,10 @@ def _bytes(rotate: str) -> None:
     whole = {name: t.numel() * t.element_size() for name, t in (("q", q), ("k", k), ("v", v))}  # restored on exit
     if rotate == "allgather":  # K and V: (cp-1)/cp of each
         assert got == [("all_gather", whole["k"] * (cp - 1) // cp), ("all_gather", whole["v"] * (cp - 1) // cp)], got
+    elif rotate in ("ring", "alltoall"):  # cp-1 hops of one rank's K|V block
+        hop = (whole["k"] + whole["v"]) // cp
+        want = [("recv", hop), ("send", 0)] if rotate == "ring" else [("all_to_all", hop)]
+        assert got == want * (cp - 1), got
     else:  # q, k, v to heads and the output (q's size) back: (cp-1)/cp of each rank's piece
         assert got == [("all_to_all", whole[n] // cp * (cp - 1) // cp) for n in "qkvq"], got
 

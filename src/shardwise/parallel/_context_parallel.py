@@ -24,7 +24,8 @@ the cp dim), weighting by tokens when pieces differ in length.
 
 Tokens are split head-tail by default (`SequenceLayout`); `set_load_balance(False)` gives
 contiguous pieces. `set_rotate_method` picks how K/V reach the queries: `"allgather"`
-(default) or `"ulysses"`.
+(default), `"ring"` (point-to-point blocks merged by log-sum-exp), `"alltoall"` (the same
+ring, each hop an all_to_all, as torch's) or `"ulysses"` (sequence <-> heads).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ _OPTIONS = _Options()
 
 
 def set_rotate_method(method: str) -> None:
-    """How keys and values reach the queries of other ranks: "allgather" (default) or "ulysses"."""
+    """How keys and values reach the queries of other ranks: "allgather" (default), "ring",
+    "alltoall" or "ulysses" (see `_cp_attention`)."""
     if method not in ROTATIONS:
         raise ValueError(f"set_rotate_method({method!r}): the rotations are {list(ROTATIONS)}")
     _OPTIONS.rotate = method
@@ -78,7 +80,7 @@ def _cp_group(mesh: Any) -> CpGroup:
     if mesh.ndim != 1:
         raise ValueError(f"context_parallel takes a 1-D cp mesh, got a {mesh.ndim}-D mesh with dims "
                          f"{mesh.mesh_dim_names}: pass its cp sub-mesh, e.g. mesh['cp']")
-    return CpGroup(mesh.get_group(0), mesh.size(), mesh.get_local_rank(0))
+    return CpGroup(mesh.get_group(0), mesh.size(), mesh.get_local_rank(0), tuple(int(r) for r in mesh.mesh.tolist()))
 
 
 def _check_buffers(buffers: Sequence[torch.Tensor], dims: Sequence[int]) -> int:

@@ -6,6 +6,7 @@ SDPA's layout `(batch, heads, tokens, head_dim)`. The rotations:
 | rotation | moves | attention on each rank | K/V bytes in per rank |
 |---|---|---|---|
 | `allgather` | all_gather K and V along the sequence (backward: reduce_scatter their grads) | local queries x all keys | (cp-1)/cp of K and V |
+| `ring` / `alltoall` | K/V blocks passed rank to rank, each hop overlapping a block's compute (`_cp_ring`) | local queries x one block at a time, merged by log-sum-exp | (cp-1)/cp of K and V |
 | `ulysses` | all_to_all q, k, v: sequence split -> head split; the output back | all queries x all keys of heads/cp heads | (cp-1)/cp of the rank's q, k, v and output |
 
 Ulysses needs the query heads to divide by cp; grouped-query K/V with fewer heads than
@@ -25,10 +26,11 @@ import torch
 
 from ._cp_comm import CpGroup, all_to_all_heads, gather_sequence
 from ._cp_layout import SequenceLayout
+from ._cp_ring import ring_attention
 
 __all__ = ["CpAttention", "ROTATIONS"]
 
-ROTATIONS = ("allgather", "ulysses")
+ROTATIONS = ("allgather", "ring", "alltoall", "ulysses")
 Sdpa = Callable[..., torch.Tensor]
 
 
@@ -46,11 +48,15 @@ class CpAttention:
         self._check(query, key, value, attn_mask, dropout_p)
         if self.rotate == "ulysses":
             return self._ulysses(sdpa, query, key, value, is_causal, scale, enable_gqa)
+        if self.rotate in ("ring", "alltoall"):
+            return ring_attention(query, key, value, self.layout, self.cp, self.rotate, is_causal, scale)
         return self._allgather(sdpa, query, key, value, is_causal, scale, enable_gqa)
 
     def explain(self) -> str:
-        kernel = ("SDPA with a boolean mask by global position (the math kernel)" if self.rotate == "allgather" else
-                  "SDPA with a boolean mask by global position, over heads/cp heads")
+        kernel = {"allgather": "SDPA with a boolean mask by global position (the math kernel)",
+                  "ulysses": "SDPA with a boolean mask by global position, over heads/cp heads",
+                  "ring": "blockwise attention merged by log-sum-exp, point-to-point K/V blocks",
+                  "alltoall": "blockwise attention merged by log-sum-exp, K/V blocks by all_to_all"}[self.rotate]
         return (f"context-parallel attention over {self.cp.size} ranks, {self.layout.length} tokens "
                 f"({'head-tail balanced' if self.layout.balanced else 'contiguous'} pieces "
                 f"{list(self.layout.lengths)}), rotation {self.rotate!r}: {kernel}")

@@ -23,11 +23,13 @@ __all__ = ["CpGroup", "all_to_all_heads", "gather_pieces", "gather_sequence"]
 
 @dataclass(frozen=True)
 class CpGroup:
-    """The cp ranks: their process group, how many, this rank's index, and the mesh dim."""
+    """The cp ranks: their process group, how many, this rank's index, their global ranks
+    (in cp order), and the mesh dim."""
 
     group: Any
     size: int
     rank: int
+    ranks: tuple[int, ...] = ()
     mesh_dim: int = 0
 
 

@@ -1,0 +1,170 @@
+"""Ring attention: K/V blocks passed around the cp ranks, merged by log-sum-exp.
+
+At step t rank r holds the K/V block of rank (r - t) mod cp; it starts sending that block
+on to rank r+1 (and receiving the next one from r-1), computes its queries against the
+block while the transfer runs, and merges the result into its running output:
+
+    lse = logaddexp(lse, lse_b)
+    out = out * exp(lse_old - lse) + out_b * exp(lse_b - lse)
+
+The backward recomputes each block's probabilities from the final `lse` (nothing per
+block is kept) and passes the block around again with its K/V gradients, each rank adding
+its queries' share; after cp hops the gradients are home:
+
+    P = exp(S - lse)   dV += P^T dO   dS = P (dO V^T - rowsum(dO O))   dQ += dS K s   dK += dS^T Q s
+
+A block whose keys all come after every local query (causal) is skipped. Two transports
+move a block: `"ring"` (point-to-point send to r+1, receive from r-1) and `"alltoall"`
+(torch's: an all_to_all in which each rank sends only to r+1). Either is started before
+the block's compute and waited on after it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from .. import _comm as comm
+from ._cp_comm import CpGroup
+from ._cp_layout import SequenceLayout
+
+__all__ = ["ring_attention"]
+
+
+class _Shift:
+    """Send `x` to the next cp rank and receive the previous rank's block of `shape`."""
+
+    def __init__(self, x: torch.Tensor, shape: tuple[int, ...], cp: CpGroup, transport: str, tag: int) -> None:
+        n, r = cp.size, cp.rank
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        if transport == "ring":
+            self._buffer = torch.empty(shape, dtype=x.dtype, device=x.device)
+            self._works = [comm.irecv(self._buffer, cp.ranks[prv], cp.group, tag=tag, label="a K/V block"),
+                           comm.isend(x.contiguous(), cp.ranks[nxt], cp.group, tag=tag, label="a K/V block")]
+            self._started: Optional[comm.Started] = None
+        else:
+            dim = x.dim() - 2
+            record = comm.AllToAll(group=cp.group, size=n, shape=tuple(x.shape), dtype=x.dtype, split_dim=dim,
+                                   cat_dim=dim, split_sizes=tuple(x.size(dim) if j == nxt else 0 for j in range(n)),
+                                   cat_pieces=tuple(shape[dim] if j == prv else 0 for j in range(n)), index=r,
+                                   mesh_dims=(cp.mesh_dim,))
+            self._works, self._started = [], comm.start(record, x.contiguous())
+
+    def wait(self) -> torch.Tensor:
+        if self._started is not None:
+            return self._started.result()
+        for work in self._works:
+            work.wait()
+        return self._buffer
+
+
+def _block_shape(like: torch.Tensor, length: int) -> tuple[int, ...]:
+    shape = list(like.shape)
+    shape[-2] = length
+    return tuple(shape)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, group: int) -> torch.Tensor:
+    """(b, h, sq, sk) scores of q against k, K heads repeated for grouped-query attention."""
+    if group > 1:
+        k = k.repeat_interleave(group, dim=-3)
+    return torch.matmul(q, k.transpose(-1, -2)) * scale
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cp: CpGroup,
+                transport: str, is_causal: bool, scale: float) -> torch.Tensor:
+        n, r = cp.size, cp.rank
+        group = q.size(-3) // k.size(-3)
+        kv = torch.cat([k, v], dim=-1)  # one message per block: (b, hk, s_j, d + dv)
+        d = k.size(-1)
+        q_pos = layout.index(r, q.device)
+        out = q.new_zeros(q.shape[:-1] + (v.size(-1),))
+        lse = q.new_full(q.shape[:-1], float("-inf"))
+        for t in range(n):
+            j = (r - t) % n  # the rank whose block this is
+            shift = (_Shift(kv, _block_shape(kv, layout.lengths[(j - 1) % n]), cp, transport, t)
+                     if t < n - 1 else None)
+            mask = _mask(q_pos, layout.index(j, q.device)) if is_causal else None
+            if mask is None or mask.any():
+                out, lse = _merge(out, lse, q, kv[..., :d], kv[..., d:], mask, scale, group)
+            if shift is not None:
+                kv = shift.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (layout, cp, transport, is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, cp, transport, is_causal, scale = ctx.args
+        n, r = cp.size, cp.rank
+        group = q.size(-3) // k.size(-3)
+        d, dv = k.size(-1), v.size(-1)
+        q_pos = layout.index(r, q.device)
+        rowsum = (grad_out * out).sum(-1, keepdim=True)  # (b, h, sq, 1)
+        grad_q = torch.zeros_like(q)
+        block = torch.cat([k, v, torch.zeros_like(k), torch.zeros_like(v)], dim=-1)  # K | V | dK | dV
+        for t in range(n):
+            j = (r - t) % n
+            mask = _mask(q_pos, layout.index(j, q.device)) if is_causal else None
+            if mask is None or mask.any():
+                kb, vb = block[..., :d], block[..., d:d + dv]
+                s = _scores(q, kb, scale, group)
+                if mask is not None:
+                    s = s.masked_fill(~mask, float("-inf"))
+                p = torch.exp(s - lse.unsqueeze(-1))  # (b, h, sq, sk)
+                grad_v = p.transpose(-1, -2) @ grad_out  # (b, h, sk, dv)
+                grad_s = p * (grad_out @ _heads(vb, group).transpose(-1, -2) - rowsum)
+                grad_q += grad_s @ _heads(kb, group) * scale
+                grad_k = grad_s.transpose(-1, -2) @ q * scale
+                block = block.clone()
+                block[..., d + dv:2 * d + dv] += _fold(grad_k, group)
+                block[..., 2 * d + dv:] += _fold(grad_v, group)
+            # after the last step the block goes one hop further: back to its rank
+            block = _Shift(block, _block_shape(block, layout.lengths[(j - 1) % n]), cp, transport, n + t).wait()
+        return grad_q, block[..., d + dv:2 * d + dv], block[..., 2 * d + dv:], None, None, None, None, None
+
+
+def _heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.repeat_interleave(group, dim=-3) if group > 1 else x
+
+
+def _fold(grad: torch.Tensor, group: int) -> torch.Tensor:
+    """Sum the gradients of the query heads that share one K/V head."""
+    if group == 1:
+        return grad
+    b, h, s, e = grad.shape
+    return grad.view(b, h // group, group, s, e).sum(2)
+
+
+def _mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    return k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: Optional[torch.Tensor], scale: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running (output, log-sum-exp) with one more block of keys merged in."""
+    s = _scores(q, k, scale, group)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    block_lse = torch.logsumexp(s, dim=-1)  # -inf for a row that sees none of this block
+    seen = torch.isfinite(block_lse)
+    p = torch.exp(s - torch.where(seen, block_lse, 0.0).unsqueeze(-1))
+    block_out = p @ _heads(v, group)
+    new = torch.logaddexp(lse, block_lse)
+    keep = torch.where(torch.isfinite(lse), torch.exp(lse - new), 0.0)
+    take = torch.where(seen, torch.exp(block_lse - new), 0.0)
+    return out * keep.unsqueeze(-1) + block_out * take.unsqueeze(-1), new
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cp: CpGroup,
+                   transport: str, is_causal: bool, scale: Optional[float]) -> torch.Tensor:
+    """`q` (this rank's queries, (b, h, s_r, d)) against the keys of every rank (see the module docstring)."""
+    s = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    out: torch.Tensor = _RingAttention.apply(q, k, v, layout, cp, transport, is_causal,  # type: ignore[no-untyped-call]
+                                             s)
+    return out
