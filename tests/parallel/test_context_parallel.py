@@ -32,20 +32,45 @@ def _cp_mesh() -> Any:
     return sw.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
 
 
-def _attention(seq: int, rotate: str, balanced: bool, causal: bool, kv_heads: int) -> None:
+DOCUMENTS = (10, 15, 12)  # three documents packed in one 37-token sample
+
+
+def _masks(seq: int) -> dict[str, Any]:
+    """For each kind: (the one-process SDPA's attn_mask and is_causal, the whole mask to split by rows)."""
+    g = torch.Generator().manual_seed(7)
+    positions = torch.cat([torch.arange(n) for n in DOCUMENTS]).unsqueeze(0) if seq == sum(DOCUMENTS) else None
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    chosen = (torch.rand(seq, seq, generator=g) < 0.6) | torch.eye(seq, dtype=torch.bool)  # no empty row
+    additive = torch.randn(seq, seq, generator=g, dtype=torch.float64).masked_fill(~chosen, float("-inf"))
+    kinds: dict[str, Any] = {"causal": (None, True, None), "full": (None, False, None),
+                             "bool-mask": (chosen, False, chosen), "additive-mask": (additive, False, additive)}
+    if positions is not None:
+        docs = torch.repeat_interleave(torch.arange(len(DOCUMENTS)), torch.tensor(DOCUMENTS))
+        same = docs.unsqueeze(0) == docs.unsqueeze(1)
+        kinds["documents"] = (same & causal, True, None)
+    return {"positions": positions, **kinds}
+
+
+def _attention(seq: int, rotate: str, balanced: bool, kind: str, kv_heads: int) -> None:
     set_rotate_method(rotate)
     set_load_balance(balanced)
     g = torch.Generator().manual_seed(seq)
     q, out_grad = (torch.randn(2, 4, seq, 8, dtype=torch.float64, generator=g) for _ in range(2))
     k, v = (torch.randn(2, kv_heads, seq, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    masks = _masks(seq)
+    reference_mask, causal, rows = masks[kind]
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*whole, is_causal=causal, enable_gqa=kv_heads != 4)
+    want = F.scaled_dot_product_attention(*whole, attn_mask=reference_mask, is_causal=causal and reference_mask is None,
+                                          enable_gqa=kv_heads != 4)
     want.backward(out_grad)
     mesh = _cp_mesh()
-    buffers = [q.clone(), k.clone(), v.clone(), out_grad.clone()]
-    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
+    buffers = [q.clone(), k.clone(), v.clone(), out_grad.clone()] + ([rows.clone()] if rows is not None else [])
+    positions = masks["positions"] if kind == "documents" else None
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2, 0][:len(buffers)],
+                          position_ids=positions):
         local = [b.clone().requires_grad_() for b in buffers[:3]]
-        got = F.scaled_dot_product_attention(*local, is_causal=causal, enable_gqa=kv_heads != 4)
+        got = F.scaled_dot_product_attention(*local, attn_mask=buffers[4] if rows is not None else None,
+                                             is_causal=causal, enable_gqa=kv_heads != 4)
         got.backward(buffers[3])
         gathered = context_parallel_unshard(mesh, [got.detach()] + [t.grad for t in local], [2, 2, 2, 2])
     assert buffers[0].shape == q.shape and torch.equal(buffers[0], q)  # restored on exit
@@ -54,23 +79,23 @@ def _attention(seq: int, rotate: str, balanced: bool, causal: bool, kv_heads: in
         torch.testing.assert_close(value, reference, rtol=0, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("kind", ["causal", "full", "documents", "bool-mask", "additive-mask"])
 @pytest.mark.parametrize("balanced", [True, False], ids=["head-tail", "contiguous"])
 @pytest.mark.parametrize("rotate", ROTATIONS)
-def test_attention_on_a_split_sequence_equals_one_process(rotate: str, balanced: bool, causal: bool) -> None:
-    run_distributed(_attention, 4, 37, rotate, balanced, causal, 2, timeout=120)  # 37: uneven pieces, GQA
+def test_attention_on_a_split_sequence_equals_one_process(rotate: str, balanced: bool, kind: str) -> None:
+    run_distributed(_attention, 4, 37, rotate, balanced, kind, 2, timeout=120)  # 37: uneven pieces, GQA
 
 
 @pytest.mark.parametrize("rotate", ROTATIONS)
 def test_attention_with_as_many_kv_heads_as_query_heads_and_an_even_sequence(rotate: str) -> None:
-    run_distributed(_attention, 4, 32, rotate, True, True, 4, timeout=120)
+    run_distributed(_attention, 4, 32, rotate, True, "causal", 4, timeout=120)
 
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
 
 
-def _llama(seq: int, rotate: str) -> None:
+def _llama(seq: int, rotate: str, packed: bool = False) -> None:
     transformers = pytest.importorskip("transformers")
     set_rotate_method(rotate)
     set_load_balance(True)
@@ -79,20 +104,25 @@ def _llama(seq: int, rotate: str) -> None:
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(seq).expand(2, seq).clone()
+    if packed:  # documents of 20, 25 and 15 tokens in each sample: the model masks each document apart
+        positions = torch.cat([torch.arange(20), torch.arange(25), torch.arange(15)]).expand(2, seq).clone()
     shift = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)  # next-token labels, shifted once
-    whole = reference(input_ids=ids, position_ids=positions)
+    # without a cache the model reads documents from the position ids (and builds its own mask)
+    extra = {"use_cache": False} if packed else {}
+    whole = reference(input_ids=ids, position_ids=positions, **extra)
     want = F.cross_entropy(whole.logits.flatten(0, 1), shift.flatten(), ignore_index=-100)
     want.backward()
     counted = int((shift != -100).sum())
     saved = [t.clone() for t in (ids, positions, shift)]
 
     mesh = _cp_mesh()
-    with context_parallel(mesh, buffers=[ids, positions, shift], buffer_seq_dims=[1, 1, 1]):
-        out = model(input_ids=ids, position_ids=positions)
+    with context_parallel(mesh, buffers=[ids, positions, shift], buffer_seq_dims=[1, 1, 1],
+                          position_ids=positions if packed else None):
+        out = model(input_ids=ids, position_ids=positions, **extra)
         # this rank's tokens' share of the mean over all tokens
         loss = F.cross_entropy(out.logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum") / counted
         loss.backward()
-        hf_loss = model(input_ids=ids, position_ids=positions, labels=shift, shift_labels=shift).loss
+        hf_loss = model(input_ids=ids, position_ids=positions, labels=shift, shift_labels=shift, **extra).loss
         mine = int((shift != -100).sum())
         logits = context_parallel_unshard(mesh, [out.logits.detach()], [1])[0]
     for got, before in zip((ids, positions, shift), saved):
@@ -118,7 +148,14 @@ def test_an_unchanged_hf_llama_at_cp4_equals_one_process(rotate: str, seq: int) 
     run_distributed(_llama, 4, seq, rotate, timeout=300)
 
 
+@pytest.mark.parametrize("rotate", ROTATIONS)
+def test_an_hf_llama_with_documents_packed_in_a_sample_keeps_them_apart_at_cp4(rotate: str) -> None:
+    run_distributed(_llama, 4, 60, rotate, True, timeout=300)
+
+
 def _bad_input() -> None:
+    set_rotate_method("allgather")  # (the workers live on between tests: every test sets what it uses)
+    set_load_balance(True)
     mesh = _cp_mesh()
     two_d = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     ids = torch.zeros(2, 16, dtype=torch.long)
@@ -133,9 +170,19 @@ def _bad_input() -> None:
             pass
     assert ids.shape == (2, 16)  # nothing was cut
     q = torch.zeros(1, 2, 16, 4)
-    with pytest.raises(ValueError, match="explicit attn_mask"):
+    with pytest.raises(ValueError, match=r"over this rank's tokens only .*context_parallel\(\.\.\., position_ids="):
         with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):
             F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"an attn_mask of shape \(16, 16\).*shape \(\.\.\., 4, 16\)"):
+        with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    positions = torch.arange(16).expand(1, 16)
+    with pytest.raises(ValueError, match="not what the position ids imply"):  # a padding mask, say
+        with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2], position_ids=positions):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"position ids of shape \(batch, 16\).*torch.float32"):
+        with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2], position_ids=positions.float()):
+            pass
     set_rotate_method("ulysses")
     q6 = torch.zeros(1, 6, 16, 4)
     with pytest.raises(ValueError, match="query has 6 heads: use a cp size dividing 6"):

@@ -121,6 +121,19 @@ class _Attention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _whole_positions(position_ids: Optional[torch.Tensor], length: int) -> Optional[torch.Tensor]:
+    """A copy of the whole (batch, seq) position ids (taken before the buffers are cut)."""
+    if position_ids is None:
+        return None
+    if not isinstance(position_ids, torch.Tensor) or isinstance(position_ids, DTensor):
+        raise TypeError(f"context_parallel(position_ids=...) takes a plain tensor, got {describe(position_ids)}")
+    positions = position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
+    if positions.dim() != 2 or positions.size(-1) != length or positions.is_floating_point():
+        raise ValueError(f"context_parallel(position_ids=...) takes integer position ids of shape (batch, {length}) "
+                         f"(the buffers' sequence length), got {positions.dtype} of shape {tuple(position_ids.shape)}")
+    return positions.detach().clone()
+
+
 def _set(buffer: torch.Tensor, value: torch.Tensor) -> None:
     with torch.no_grad():
         buffer.resize_(value.shape)
@@ -130,10 +143,16 @@ def _set(buffer: torch.Tensor, value: torch.Tensor) -> None:
 @contextlib.contextmanager
 def context_parallel(mesh: DeviceMesh, *, buffers: Optional[Sequence[torch.Tensor]] = None,
                      buffer_seq_dims: Optional[Sequence[int]] = None,
-                     no_restore_buffers: Optional[set[torch.Tensor]] = None) -> Iterator[CpAttention]:
+                     no_restore_buffers: Optional[set[torch.Tensor]] = None,
+                     position_ids: Optional[torch.Tensor] = None) -> Iterator[CpAttention]:
     """Split `buffers` along `buffer_seq_dims` over the 1-D cp `mesh` and run attention
     context-parallel until the block ends (see the module docstring). Yields the attention
-    object (`explain()` says what it does)."""
+    object (`explain()` says what it does).
+
+    `position_ids` (a shardwise addition; (batch, seq), whole, and usually one of the
+    buffers too): when several documents are packed in a sample (positions restarting),
+    attention stays within each document, and a model's own mask built from the position
+    ids of this rank's tokens is recognised and replaced by the global one."""
     cp = _cp_group(mesh)
     buffers, dims = list(buffers or []), [int(d) for d in (buffer_seq_dims or [])]
     length = _check_buffers(buffers, dims)
@@ -141,17 +160,25 @@ def context_parallel(mesh: DeviceMesh, *, buffers: Optional[Sequence[torch.Tenso
     if layout is None:
         raise ValueError("context_parallel needs the buffers that carry the sequence (input ids, position ids, "
                          "labels) and their sequence dims: buffers=[...], buffer_seq_dims=[...]")
+    positions = _whole_positions(position_ids, length)
     keep = {id(b) for b in (no_restore_buffers or ())}
+    # the whole values, for an exit by exception: the ranks may then be out of step, and a
+    # collective to gather the pieces back could wait for ranks that never come
+    saved = [b.clone() if id(b) not in keep else None for b in buffers]
     for b, d in zip(buffers, dims):
         _set(b, b.index_select(d, layout.index(cp.rank, b.device)))
-    attention = CpAttention(layout, cp, _OPTIONS.rotate)
+    attention = CpAttention(layout, cp, _OPTIONS.rotate, positions)
     try:
         with _Attention(attention):
             yield attention
-    finally:
-        for b, d in zip(buffers, dims):
-            if id(b) not in keep:
-                _set(b, _unshard(b, d % b.dim(), layout, cp))
+    except BaseException:
+        for b, whole in zip(buffers, saved):
+            if whole is not None:
+                _set(b, whole)
+        raise
+    for b, d, whole in zip(buffers, dims, saved):
+        if whole is not None:
+            _set(b, _unshard(b, d % b.dim(), layout, cp))  # gathered: what the block wrote into its pieces
 
 
 def _unshard(local: torch.Tensor, dim: int, layout: SequenceLayout, cp: CpGroup) -> torch.Tensor:

@@ -12,9 +12,8 @@ SDPA's layout `(batch, heads, tokens, head_dim)`. The rotations:
 Ulysses needs the query heads to divide by cp; grouped-query K/V with fewer heads than
 that are repeated to one per query head before the all_to_all (as DeepSpeed does).
 
-A rank's tokens are not contiguous under load balancing, so the causal rule is applied
-by position: a query at global position i sees the keys at positions <= i. Every query
-sees at least its own key, so no row of the mask is empty.
+A rank's tokens are not contiguous under load balancing, so the causal rule, documents and
+explicit masks are applied by global position (`_cp_mask`).
 """
 
 from __future__ import annotations
@@ -24,8 +23,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._cp_comm import CpGroup, all_to_all_heads, gather_sequence
+from .._comm import all_gather_ints
+from ._cp_comm import CpGroup, all_to_all_heads, gather_pieces, gather_sequence
 from ._cp_layout import SequenceLayout
+from ._cp_mask import Masking, documents_of, model_mask_kind
 from ._cp_ring import ring_attention
 
 __all__ = ["CpAttention", "ROTATIONS"]
@@ -34,23 +35,32 @@ ROTATIONS = ("allgather", "ring", "alltoall", "ulysses")
 Sdpa = Callable[..., torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CpAttention:
-    """Attention for one sequence layout on one cp group, by `rotate`."""
+    """Attention for one sequence layout on one cp group, by `rotate`; `position_ids`
+    ((batch, S), whole) when the caller gave them: documents packed in a sample are then
+    kept apart, and a model's own mask built from its local position ids is recognised."""
 
     layout: SequenceLayout
     cp: CpGroup
     rotate: str = "allgather"
+    position_ids: Optional[torch.Tensor] = None
 
     def __call__(self, sdpa: Sdpa, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
                  scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
-        self._check(query, key, value, attn_mask, dropout_p)
+        if self.position_ids is not None:  # the ranks may have taken different paths: agree first
+            masking, key, value, enable_gqa = self._agree(query, key, value, attn_mask, dropout_p, is_causal,
+                                                          enable_gqa)
+        else:
+            masking = self._masking(query, key, value, attn_mask, dropout_p, is_causal)
         if self.rotate == "ulysses":
-            return self._ulysses(sdpa, query, key, value, is_causal, scale, enable_gqa)
+            return self._ulysses(sdpa, query, key, value, masking, scale, enable_gqa)
         if self.rotate in ("ring", "alltoall"):
-            return ring_attention(query, key, value, self.layout, self.cp, self.rotate, is_causal, scale)
-        return self._allgather(sdpa, query, key, value, is_causal, scale, enable_gqa)
+            mine = self.layout.index(self.cp.rank, query.device)
+            return ring_attention(query, key, value, self.layout, self.cp, self.rotate,
+                                  lambda j: masking.mask(mine, self.layout.index(j, query.device)), scale)
+        return self._allgather(sdpa, query, key, value, masking, scale, enable_gqa)
 
     def explain(self) -> str:
         kernel = {"allgather": "SDPA with a boolean mask by global position (the math kernel)",
@@ -63,17 +73,15 @@ class CpAttention:
 
     # -- rotations ------------------------------------------------------------------------------
 
-    def _allgather(self, sdpa: Sdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+    def _allgather(self, sdpa: Sdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masking: Masking,
                    scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
         pieces = self.layout.lengths
         k_all = gather_sequence(k, k.dim() - 2, pieces, self.cp)  # (b, hk, S, d), rank by rank
         v_all = gather_sequence(v, v.dim() - 2, pieces, self.cp)
-        mask = None
-        if is_causal:
-            mask = _causal(self.layout.index(self.cp.rank, q.device), self.layout.gathered_index(q.device))
+        mask = masking.mask(self.layout.index(self.cp.rank, q.device), self.layout.gathered_index(q.device))
         return sdpa(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
-    def _ulysses(self, sdpa: Sdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+    def _ulysses(self, sdpa: Sdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masking: Masking,
                  scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
         n, pieces, seq = self.cp.size, self.layout.lengths, q.dim() - 2
         heads = q.dim() - 3
@@ -86,30 +94,58 @@ class CpAttention:
             group = q.size(heads) // k.size(heads)
             k, v = k.repeat_interleave(group, dim=heads), v.repeat_interleave(group, dim=heads)
         q_h, k_h, v_h = to_heads(q), to_heads(k), to_heads(v)
-        mask = None
-        if is_causal:
-            order = self.layout.gathered_index(q.device)
-            mask = _causal(order, order)
-        out = sdpa(q_h, k_h, v_h, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)  # (b, h/cp, S, dv)
+        if masking.explicit is not None:  # every query's row of the caller's mask, in gathered order
+            rows = gather_pieces(masking.explicit, masking.explicit.dim() - 2, pieces, self.cp)
+            masking = Masking(masking.causal, masking.documents, rows)
+        order = self.layout.gathered_index(q.device)
+        out = sdpa(q_h, k_h, v_h, attn_mask=masking.mask(order, order), scale=scale,
+                   enable_gqa=enable_gqa)  # (b, h/cp, S, dv)
         split = (out.size(heads),) * n
         return all_to_all_heads(out, seq, heads, pieces, split, self.cp)  # (b, h, s_r, dv)
 
     # -- checks ---------------------------------------------------------------------------------
 
-    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any, dropout_p: float) -> None:
-        mine = self.layout.lengths[self.cp.rank]
+    def _agree(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+               dropout_p: float, is_causal: bool, enable_gqa: bool
+               ) -> tuple[Masking, torch.Tensor, torch.Tensor, bool]:
+        """With packed documents a model may take different paths on different ranks: it
+        builds a mask where its local position ids show a document boundary and none
+        elsewhere, and with a mask it repeats grouped-query K/V heads (transformers does).
+        The ranks exchange whether the call is valid and their K/V head counts (one small
+        all_gather), so an error stops every rank at once, and a rank whose K/V heads were
+        repeated passes one copy of each, as the others do."""
+        problem: Optional[ValueError] = None
+        masking = Masking(is_causal)
+        try:
+            masking = self._masking(q, k, v, attn_mask, dropout_p, is_causal)
+        except ValueError as exc:
+            problem = exc
+        heads = (k.size(-3), v.size(-3)) if k.dim() >= 3 and v.dim() >= 3 else (0, 0)
+        rows = all_gather_ints([int(problem is not None), *heads], self.cp.group, self.cp.size)
+        if problem is not None:
+            raise problem
+        failed = [r for r, row in enumerate(rows) if row[0]]
+        if failed:
+            raise ValueError(f"scaled_dot_product_attention under context_parallel failed on cp rank(s) {failed} "
+                             "(see their errors); this rank stops with them")
+        fewest = min(row[1] for row in rows), min(row[2] for row in rows)
+        if (k.size(-3), v.size(-3)) != fewest:
+            k, v = _one_copy(k, fewest[0]), _one_copy(v, fewest[1])
+            enable_gqa = True
+        return masking, k, v, enable_gqa
+
+    def _masking(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                 dropout_p: float, is_causal: bool) -> Masking:
+        """The rules of this call in global terms; every problem with the call raised at once."""
+        mine, length = self.layout.lengths[self.cp.rank], self.layout.length
         problems = []
         if q.dim() < 3:
             problems.append(f"query has {q.dim()} dims: SDPA's (batch, heads, tokens, head_dim) layout is expected")
         for name, t in (("query", q), ("key", k), ("value", v)):
             if t.dim() >= 2 and t.size(-2) != mine:
                 problems.append(f"{name} holds {t.size(-2)} tokens, but this rank (cp rank {self.cp.rank}) holds "
-                                f"{mine} of the {self.layout.length}-token sequence (pieces {list(self.layout.lengths)})"
+                                f"{mine} of the {length}-token sequence (pieces {list(self.layout.lengths)})"
                                 ": attention under context_parallel must be self-attention over the buffers' sequence")
-        if attn_mask is not None:
-            problems.append(f"an explicit attn_mask of shape {tuple(attn_mask.shape)} was given: it describes this "
-                            "rank's tokens only, not their global positions; use is_causal=True (a model gets it "
-                            "when it is given no padding mask)")
         if dropout_p:
             problems.append(f"dropout_p={dropout_p}: attention dropout under context parallel is not supported; "
                             "train with attention dropout 0 (the default of most causal LMs)")
@@ -120,11 +156,53 @@ class CpAttention:
                                 f"{heads} heads: use a cp size dividing {heads}, or set_rotate_method('allgather')")
             elif kv_heads == 0 or heads % kv_heads:
                 problems.append(f"the query's {heads} heads are not groups of the key's {kv_heads}")
+            if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.size(-3) != 1:
+                problems.append(f"an attn_mask with {attn_mask.size(-3)} heads under the ulysses rotation, which "
+                                "splits the heads: give one mask for all heads (size 1 in the heads dim)")
+        documents = documents_of(self.position_ids) if self.position_ids is not None else None
+        masking = Masking(is_causal, documents)
+        if attn_mask is not None and not problems:
+            masking, problem = self._explicit(attn_mask, is_causal, documents, mine)
+            if problem:
+                problems.append(problem)
         if problems:
             raise ValueError("scaled_dot_product_attention under context_parallel:\n" +
                              "\n".join(f"  - {p}" for p in problems))
+        return masking
+
+    def _explicit(self, attn_mask: torch.Tensor, is_causal: bool, documents: Optional[torch.Tensor], mine: int
+                  ) -> tuple[Masking, str]:
+        shape, length = tuple(attn_mask.shape), self.layout.length
+        if len(shape) >= 2 and shape[-2:] == (mine, length):  # the caller's rows over every key: taken as they are
+            return Masking(is_causal, documents, attn_mask), ""
+        if len(shape) >= 2 and shape[-2:] == (mine, mine):  # the model's own mask of this rank's tokens
+            if self.position_ids is None:
+                return Masking(is_causal), (
+                    f"the model built a mask of shape {shape} over this rank's tokens only (transformers does so from "
+                    "position_ids when it has no cache): pass the same position ids to "
+                    "context_parallel(..., position_ids=...) so the mask is rebuilt by global position")
+            local = self.position_ids[:, self.layout.index(self.cp.rank, self.position_ids.device)]
+            causal = model_mask_kind(attn_mask, local)
+            if causal is None:
+                return Masking(is_causal), (
+                    f"an attn_mask of shape {shape} over this rank's tokens that is not what the position ids imply "
+                    "(causal within each document): a padding mask or other rule cannot be read from one rank's "
+                    f"tokens; give a mask over the whole sequence's keys, of shape (..., {mine}, {length})")
+            return Masking(causal, documents), ""
+        return Masking(is_causal), (
+            f"an attn_mask of shape {shape}: under context_parallel a mask gives this rank's {mine} queries' rows "
+            f"over all {length} keys in sequence order, shape (..., {mine}, {length}) (a mask over the whole "
+            "sequence, passed as a buffer with its query dim, -2, in buffer_seq_dims)")
 
 
-def _causal(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-    """(queries, keys) boolean mask: True where the key's global position <= the query's."""
-    return k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+def _one_copy(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """`x` ((b, h, s, d), each of `heads` heads repeated h/heads times in a row) with one copy of each."""
+    group = x.size(-3) // heads if heads else 0
+    if not group or x.size(-3) % heads:
+        raise ValueError(f"a K/V of {x.size(-3)} heads where another cp rank has {heads}: the ranks disagree on "
+                         "the attention's heads")
+    single = x[..., ::group, :, :]
+    if not torch.equal(single.repeat_interleave(group, dim=-3), x):
+        raise ValueError(f"a K/V of {x.size(-3)} heads where another cp rank has {heads}, and they are not "
+                         f"{heads} heads repeated {group} times: the ranks disagree on the attention's heads")
+    return single

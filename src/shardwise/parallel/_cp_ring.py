@@ -13,7 +13,7 @@ its queries' share; after cp hops the gradients are home:
 
     P = exp(S - lse)   dV += P^T dO   dS = P (dO V^T - rowsum(dO O))   dQ += dS K s   dK += dS^T Q s
 
-A block whose keys all come after every local query (causal) is skipped. Two transports
+A block no local query sees (causal: its keys all come later) is skipped. Two transports
 move a block: `"ring"` (point-to-point send to r+1, receive from r-1) and `"alltoall"`
 (torch's: an all_to_all in which each rank sends only to r+1). Either is started before
 the block's compute and waited on after it.
@@ -22,7 +22,7 @@ the block's compute and waited on after it.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -31,6 +31,8 @@ from ._cp_comm import CpGroup
 from ._cp_layout import SequenceLayout
 
 __all__ = ["ring_attention"]
+
+MaskFor = Callable[[int], Optional[torch.Tensor]]
 
 
 class _Shift:
@@ -76,46 +78,42 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, group: int) -> torch
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cp: CpGroup,
-                transport: str, is_causal: bool, scale: float) -> torch.Tensor:
+                transport: str, mask_for: MaskFor, scale: float) -> torch.Tensor:
         n, r = cp.size, cp.rank
         group = q.size(-3) // k.size(-3)
         kv = torch.cat([k, v], dim=-1)  # one message per block: (b, hk, s_j, d + dv)
         d = k.size(-1)
-        q_pos = layout.index(r, q.device)
         out = q.new_zeros(q.shape[:-1] + (v.size(-1),))
         lse = q.new_full(q.shape[:-1], float("-inf"))
         for t in range(n):
             j = (r - t) % n  # the rank whose block this is
             shift = (_Shift(kv, _block_shape(kv, layout.lengths[(j - 1) % n]), cp, transport, t)
                      if t < n - 1 else None)
-            mask = _mask(q_pos, layout.index(j, q.device)) if is_causal else None
-            if mask is None or mask.any():
+            mask = mask_for(j)
+            if _sees_some(mask):
                 out, lse = _merge(out, lse, q, kv[..., :d], kv[..., d:], mask, scale, group)
             if shift is not None:
                 kv = shift.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, cp, transport, is_causal, scale)
+        ctx.args = (layout, cp, transport, mask_for, scale)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        layout, cp, transport, is_causal, scale = ctx.args
+        layout, cp, transport, mask_for, scale = ctx.args
         n, r = cp.size, cp.rank
         group = q.size(-3) // k.size(-3)
         d, dv = k.size(-1), v.size(-1)
-        q_pos = layout.index(r, q.device)
         rowsum = (grad_out * out).sum(-1, keepdim=True)  # (b, h, sq, 1)
         grad_q = torch.zeros_like(q)
         block = torch.cat([k, v, torch.zeros_like(k), torch.zeros_like(v)], dim=-1)  # K | V | dK | dV
         for t in range(n):
             j = (r - t) % n
-            mask = _mask(q_pos, layout.index(j, q.device)) if is_causal else None
-            if mask is None or mask.any():
+            mask = mask_for(j)
+            if _sees_some(mask):
                 kb, vb = block[..., :d], block[..., d:d + dv]
-                s = _scores(q, kb, scale, group)
-                if mask is not None:
-                    s = s.masked_fill(~mask, float("-inf"))
+                s = _masked(_scores(q, kb, scale, group), mask)
                 p = torch.exp(s - lse.unsqueeze(-1))  # (b, h, sq, sk)
                 grad_v = p.transpose(-1, -2) @ grad_out  # (b, h, sk, dv)
                 grad_s = p * (grad_out @ _heads(vb, group).transpose(-1, -2) - rowsum)
@@ -141,16 +139,21 @@ def _fold(grad: torch.Tensor, group: int) -> torch.Tensor:
     return grad.view(b, h // group, group, s, e).sum(2)
 
 
-def _mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-    return k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+def _sees_some(mask: Optional[torch.Tensor]) -> bool:
+    """Whether any query sees any key of the block (a boolean mask that is all False: skip it)."""
+    return mask is None or mask.dtype != torch.bool or bool(mask.any())
+
+
+def _masked(s: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    if mask is None:
+        return s
+    return s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            mask: Optional[torch.Tensor], scale: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The running (output, log-sum-exp) with one more block of keys merged in."""
-    s = _scores(q, k, scale, group)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    s = _masked(_scores(q, k, scale, group), mask)
     block_lse = torch.logsumexp(s, dim=-1)  # -inf for a row that sees none of this block
     seen = torch.isfinite(block_lse)
     p = torch.exp(s - torch.where(seen, block_lse, 0.0).unsqueeze(-1))
@@ -162,9 +165,11 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cp: CpGroup,
-                   transport: str, is_causal: bool, scale: Optional[float]) -> torch.Tensor:
-    """`q` (this rank's queries, (b, h, s_r, d)) against the keys of every rank (see the module docstring)."""
+                   transport: str, mask_for: MaskFor, scale: Optional[float]) -> torch.Tensor:
+    """`q` (this rank's queries, (b, h, s_r, d)) against the keys of every rank (see the
+    module docstring); `mask_for(j)` is the mask of those queries against rank j's keys
+    (boolean or additive, None for none)."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
-    out: torch.Tensor = _RingAttention.apply(q, k, v, layout, cp, transport, is_causal,  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _RingAttention.apply(q, k, v, layout, cp, transport, mask_for,  # type: ignore[no-untyped-call]
                                              s)
     return out

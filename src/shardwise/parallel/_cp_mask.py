@@ -1,0 +1,92 @@
+"""Which keys each query sees under context parallelism, in global terms.
+
+A rank's tokens are not contiguous under load balancing, so every rule is applied by
+global position (`SequenceLayout` gives the positions of any rank's tokens):
+
+- causal: the key's position <= the query's;
+- documents: several documents packed in one sample (position ids restarting, as
+  transformers detects them: a new document wherever a position is not the previous one
+  plus 1): only keys of the query's own document;
+- an explicit mask given by the caller over the whole sequence's keys: rows of this
+  rank's queries, columns in sequence order (boolean, or additive floats).
+
+The result is one boolean mask, or an additive one when the caller's mask is additive,
+shaped to broadcast against (batch, heads, queries, keys).
+
+A model that builds its own mask from the position ids it was given (transformers does,
+when it sees no padding mask and no cache) builds it from this rank's tokens only: a mask
+of (local queries x local keys) in which a head-tail piece looks like two documents. Such
+a mask is recognised (it equals what the position ids imply locally, causal or not) and
+replaced by the global rule; any other local mask is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["Masking", "documents_of", "model_mask_kind"]
+
+
+def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, tokens) document index of each token: a new document wherever the position is
+    not the previous position plus 1."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+@dataclass(frozen=True, eq=False)
+class Masking:
+    """The rules for one attention call: `causal`, `documents` ((batch, S) document of each
+    token, or None), and `explicit` (the caller's mask: rows of the queries in hand, all S
+    keys in sequence order; or None)."""
+
+    causal: bool
+    documents: Optional[torch.Tensor] = None
+    explicit: Optional[torch.Tensor] = None
+
+    @property
+    def anything(self) -> bool:
+        return self.causal or self.documents is not None or self.explicit is not None
+
+    def mask(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """The mask of queries at global `q_positions` (the rows of `explicit`, in order)
+        against keys at `k_positions`."""
+        allowed: Optional[torch.Tensor] = None
+        if self.causal:
+            allowed = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)  # (sq, sk)
+        if self.documents is not None:
+            docs = self.documents.to(q_positions.device)
+            same = (docs[:, q_positions].unsqueeze(-1) == docs[:, k_positions].unsqueeze(-2)).unsqueeze(1)
+            allowed = same if allowed is None else same & allowed  # (b, 1, sq, sk)
+        if self.explicit is None:
+            return allowed
+        given = self.explicit.index_select(-1, k_positions)
+        if given.dtype == torch.bool:
+            return given if allowed is None else given & allowed
+        if allowed is None:
+            return given
+        return given.masked_fill(~allowed, float("-inf"))
+
+
+def model_mask_kind(mask: torch.Tensor, local_positions: torch.Tensor) -> Optional[bool]:
+    """Whether `mask` ((batch or 1, heads or 1, s, s) over this rank's tokens) is the mask a
+    model builds from the local position ids: True for causal, False for bidirectional,
+    None for neither (a mask that says something else)."""
+    s = local_positions.size(-1)
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (s, s):
+        return None
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    segments = documents_of(local_positions)
+    same = (segments.unsqueeze(-1) == segments.unsqueeze(-2)).unsqueeze(1)  # (b, 1, s, s)
+    lower = torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
+    for causal, want in ((True, same & lower), (False, same)):
+        try:
+            a, w = torch.broadcast_tensors(allowed, want)  # type: ignore[no-untyped-call]
+        except RuntimeError:  # shapes that do not broadcast: not the model's mask
+            return None
+        if torch.equal(a, w):
+            return causal
+    return None
