@@ -172,3 +172,11 @@ def test_the_planner_quality_rows_measure_every_plan(quick_run: Any) -> None:
     assert [r["plan"].split(" (")[0] for r in rows] == ["AutoPlanner", "megatron", "data parallel"]
     for r in rows:
         assert isinstance(r["measured_ms"], float) and isinstance(r["modelled_ms"], float), r
+
+
+def test_the_context_parallel_rows_check_every_rotation(quick_run: Any) -> None:
+    table = quick_run[1]["benchmarks"]["context_parallel"]
+    rows = [r for r in table["rows"] if r["who"].startswith("shardwise")]
+    assert {r["who"].split()[-1] for r in rows} == {"allgather", "ulysses", "ring"}
+    assert rows and all(r["check"] == "ok" and r["peak_vs_one"] is not None for r in rows)
+    assert any(r["who"] == "torch context_parallel" for r in table["rows"])

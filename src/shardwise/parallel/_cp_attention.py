@@ -19,7 +19,7 @@ explicit masks are applied by global position (`_cp_mask`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -63,8 +63,10 @@ class CpAttention:
         return self._allgather(sdpa, query, key, value, masking, scale, enable_gqa)
 
     def explain(self) -> str:
-        kernel = {"allgather": "SDPA with a boolean mask by global position (the math kernel)",
-                  "ulysses": "SDPA with a boolean mask by global position, over heads/cp heads",
+        kernel = {"allgather": "torch's SDPA with a boolean mask by global position (on CPU its flash kernel, "
+                               "which takes the mask)",
+                  "ulysses": "torch's SDPA with a boolean mask by global position, over heads/cp heads (on CPU its "
+                             "flash kernel)",
                   "ring": "blockwise attention merged by log-sum-exp, point-to-point K/V blocks",
                   "alltoall": "blockwise attention merged by log-sum-exp, K/V blocks by all_to_all"}[self.rotate]
         return (f"context-parallel attention over {self.cp.size} ranks, {self.layout.length} tokens "

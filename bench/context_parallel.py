@@ -1,0 +1,164 @@
+"""Context parallel: a 2-layer Llama-shaped model's train step on long sequences, one process against cp=4.
+
+One process runs forward and backward of the whole sequence (transformers' sdpa attention:
+torch's CPU flash kernel, causal); then 4 gloo ranks run the same step under
+`shardwise.experimental.context_parallel` (head-tail pieces), with the K/V all-gather
+rotation, the ring and Ulysses. Per length: the peak bytes the step allocates on the rank
+that allocates most (torch's allocator, net, through the profiler, on top of the model),
+the slowest rank's seconds, and the loss check: the cp ranks' token-weighted losses add up
+to one process's. torch's own `context_parallel` is tried at the smallest length; on CPU it
+fails at once (no sharding strategy for the CPU flash kernel), and the table says so.
+The ring computes each block with matmuls (its scores materialised, s/cp x s/cp per head),
+so it runs to the middle lengths only.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._common import Column, Settings, Table, quiet, ratio
+from .memory import peak_allocated
+
+__all__ = ["body", "run"]
+
+CP = 4
+ROTATIONS = ("allgather", "ulysses", "ring")
+
+
+def _lengths(settings: Settings) -> tuple[int, ...]:
+    return (128, 256) if settings.quick else (4096, 8192, 16384, 32768)
+
+
+def _ring_limit(settings: Settings) -> int:
+    return 256 if settings.quick else 8192
+
+
+def _model() -> Any:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _batch(seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(seq))
+    positions = torch.arange(seq).unsqueeze(0)
+    shift = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    return ids, positions, shift
+
+
+def _step(model: Any, ids: torch.Tensor, positions: torch.Tensor, shift: torch.Tensor, counted: int) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, position_ids=positions).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum") / counted
+    loss.backward()
+    return loss.detach()
+
+
+def _timed(fn: Any, repeats: int) -> tuple[list[float], int]:
+    peak = peak_allocated(fn)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return seconds, peak
+
+
+def one_process(settings: Settings, seq: int) -> dict[str, Any]:
+    model = _model()
+    ids, positions, shift = _batch(seq)
+    counted = int((shift != -100).sum())
+    losses: list[torch.Tensor] = []
+    with quiet():
+        seconds, peak = _timed(lambda: losses.append(_step(model, ids, positions, shift, counted)),
+                               1 if seq > 8192 else min(settings.repeats, 3))
+    return {"seconds": seconds, "peak": peak, "loss": losses[-1].item()}
+
+
+def body(settings: Settings, seq: int, rotate: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import shardwise as sw
+    from shardwise.experimental import context_parallel, set_load_balance, set_rotate_method
+
+    set_rotate_method(rotate)
+    set_load_balance(True)
+    model = _model()
+    mesh = sw.init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))
+    ids, positions, shift = _batch(seq)
+    counted = int((shift != -100).sum())
+    losses: list[torch.Tensor] = []
+    with quiet(), context_parallel(mesh, buffers=[ids, positions, shift], buffer_seq_dims=[1, 1, 1]):
+        dist.barrier()
+        seconds, peak = _timed(lambda: losses.append(_step(model, ids, positions, shift, counted)),
+                               1 if seq > 8192 else min(settings.repeats, 3))
+    total = losses[-1].clone()
+    dist.all_reduce(total)
+    return {"seconds": seconds, "peak": peak, "loss": total.item()}
+
+
+def torch_context_parallel(seq: int) -> Optional[str]:
+    """None when torch's context_parallel runs the step here; else the first line of its error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (CP,))
+    ids, positions, shift = _batch(seq)
+    try:
+        with quiet(), context_parallel(mesh, buffers=[ids, positions, shift], buffer_seq_dims=[1, 1, 1]):
+            _step(model, ids, positions, shift, int((shift != -100).sum()))
+    except Exception as exc:  # noqa: BLE001 - the table reports whatever torch raised
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return None
+
+
+def run(settings: Settings) -> list[Table]:
+    from shardwise.testing import run_distributed
+
+    table = Table(
+        "context_parallel",
+        f"context parallel: 2-layer Llama-shaped train step (hidden 128, 4 heads, 2 K/V heads), one process vs "
+        f"cp={CP} on {CP} ranks: peak MiB allocated per rank during the step (largest rank), seconds (slowest rank)",
+        [Column("seq", "tokens"), Column("who", "who"), Column("peak_mib", "peak MiB", ".1f"),
+         Column("peak_vs_one", "peak / 1 process", ".2f"), Column("s", "step s", ".2f"),
+         Column("time_vs_one", "time / 1 process", ".2f"), Column("check", "loss check")],
+    )
+    for seq in _lengths(settings):
+        single = run_distributed(one_process, 1, settings, seq, timeout=settings.timeout)[0]
+        table.rows.append({"seq": seq, "who": "1 process", "peak": single["peak"], "peak_mib": single["peak"] / 2**20,
+                           "peak_vs_one": 1.0, "s": min(single["seconds"]), "time_vs_one": 1.0, "check": "-"})
+        for rotate in ROTATIONS:
+            if rotate == "ring" and seq > _ring_limit(settings):
+                continue
+            per_rank = run_distributed(body, CP, settings, seq, rotate, timeout=settings.timeout)
+            peak = max(r["peak"] for r in per_rank)
+            seconds = min(max(r["seconds"][i] for r in per_rank) for i in range(len(per_rank[0]["seconds"])))
+            close = abs(per_rank[0]["loss"] - single["loss"]) <= 1e-4 * max(1.0, abs(single["loss"]))
+            table.rows.append({"seq": seq, "who": f"shardwise cp={CP} {rotate}", "peak": peak,
+                               "peak_mib": peak / 2**20, "peak_vs_one": ratio(peak, single["peak"]), "s": seconds,
+                               "time_vs_one": ratio(seconds, min(single["seconds"])),
+                               "check": "ok" if close else "WRONG"})
+    failure = run_distributed(torch_context_parallel, CP, _lengths(settings)[0], timeout=settings.timeout)[0]
+    table.rows.append({"seq": _lengths(settings)[0], "who": "torch context_parallel",
+                       "check": "runs" if failure is None else "fails"})
+    if failure is not None:
+        table.notes.append(f"torch's context_parallel on CPU: {failure}")
+    budget = table.rows[0]["peak"]
+    fits = [r["seq"] for r in table.rows if r["who"].endswith("allgather") and r["peak"] <= budget]
+    table.notes.append(f"within one process's peak at {table.rows[0]['seq']} tokens ({budget / 2**20:.1f} MiB), "
+                       f"cp={CP} allgather ran up to {max(fits) if fits else 'none'} of the lengths tried")
+    table.notes.append("peak: torch's CPU allocator, net, during one step, on top of the model and its inputs; "
+                       "one process runs transformers' sdpa (CPU flash kernel); allgather and ulysses run torch's "
+                       "SDPA with a boolean mask by global position (the same flash kernel); the ring computes its "
+                       f"blocks with matmuls and runs to {_ring_limit(settings)} tokens here")
+    return [table]
