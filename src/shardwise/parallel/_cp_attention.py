@@ -13,7 +13,10 @@ Ulysses needs the query heads to divide by cp; grouped-query K/V with fewer head
 that are repeated to one per query head before the all_to_all (as DeepSpeed does).
 
 A rank's tokens are not contiguous under load balancing, so the causal rule, documents and
-explicit masks are applied by global position (`_cp_mask`).
+explicit masks are applied by global position (`_cp_mask`). Plain causal or full attention
+on CPU needs no mask at all: a rank's queries and any rank's keys are one or two chunks of
+consecutive positions, and each visible pair of chunks is one call of the fused flash
+kernel (`_cp_flash`), so memory never holds a (queries x keys) matrix.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from .._comm import all_gather_ints
 from ._cp_comm import CpGroup, all_to_all_heads, gather_pieces, gather_sequence
+from ._cp_flash import chunk_pairs, flash_attention, flash_available
 from ._cp_layout import SequenceLayout
 from ._cp_mask import Masking, documents_of, model_mask_kind
 from ._cp_ring import ring_attention
@@ -56,19 +60,24 @@ class CpAttention:
             masking = self._masking(query, key, value, attn_mask, dropout_p, is_causal)
         if self.rotate == "ulysses":
             return self._ulysses(sdpa, query, key, value, masking, scale, enable_gqa)
+        plain = masking.documents is None and masking.explicit is None and flash_available(query)
         if self.rotate in ("ring", "alltoall"):
             mine = self.layout.index(self.cp.rank, query.device)
+            me, causal = self.cp.rank, masking.causal
+            pairs = (lambda j: chunk_pairs(self.layout, me, j, 0, causal)) if plain else None
             return ring_attention(query, key, value, self.layout, self.cp, self.rotate,
-                                  lambda j: masking.mask(mine, self.layout.index(j, query.device)), scale)
-        return self._allgather(sdpa, query, key, value, masking, scale, enable_gqa)
+                                  lambda j: masking.mask(mine, self.layout.index(j, query.device)), pairs, scale)
+        return self._allgather(sdpa, query, key, value, masking, scale, enable_gqa, plain)
 
     def explain(self) -> str:
-        kernel = {"allgather": "torch's SDPA with a boolean mask by global position (on CPU its flash kernel, "
-                               "which takes the mask)",
-                  "ulysses": "torch's SDPA with a boolean mask by global position, over heads/cp heads (on CPU its "
-                             "flash kernel)",
-                  "ring": "blockwise attention merged by log-sum-exp, point-to-point K/V blocks",
-                  "alltoall": "blockwise attention merged by log-sum-exp, K/V blocks by all_to_all"}[self.rotate]
+        kernel = {"allgather": "causal or full: each visible pair of chunks by torch's fused CPU flash kernel, "
+                               "merged by log-sum-exp; with documents or a mask: torch's SDPA with a boolean mask "
+                               "by global position",
+                  "ulysses": "over heads/cp heads: torch's SDPA in sequence order with its causal flag; with "
+                             "documents or a mask, with a boolean mask",
+                  "ring": "point-to-point K/V blocks merged by log-sum-exp: chunk pairs by the fused CPU flash "
+                          "kernel (causal or full), or blockwise matmuls under a mask",
+                  "alltoall": "the ring's blocks moved by all_to_all"}[self.rotate]
         return (f"context-parallel attention over {self.cp.size} ranks, {self.layout.length} tokens "
                 f"({'head-tail balanced' if self.layout.balanced else 'contiguous'} pieces "
                 f"{list(self.layout.lengths)}), rotation {self.rotate!r}: {kernel}")
@@ -76,10 +85,15 @@ class CpAttention:
     # -- rotations ------------------------------------------------------------------------------
 
     def _allgather(self, sdpa: Sdpa, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masking: Masking,
-                   scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
+                   scale: Optional[float], enable_gqa: bool, plain: bool) -> torch.Tensor:
         pieces = self.layout.lengths
         k_all = gather_sequence(k, k.dim() - 2, pieces, self.cp)  # (b, hk, S, d), rank by rank
         v_all = gather_sequence(v, v.dim() - 2, pieces, self.cp)
+        if plain:  # causal or full: chunk pairs by the fused kernel, no (queries x keys) mask
+            offsets = [sum(pieces[:j]) for j in range(self.cp.size)]
+            pairs = [p for j in range(self.cp.size)
+                     for p in chunk_pairs(self.layout, self.cp.rank, j, offsets[j], masking.causal)]
+            return flash_attention(q, k_all, v_all, pairs, scale)
         mask = masking.mask(self.layout.index(self.cp.rank, q.device), self.layout.gathered_index(q.device))
         return sdpa(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
@@ -100,8 +114,13 @@ class CpAttention:
             rows = gather_pieces(masking.explicit, masking.explicit.dim() - 2, pieces, self.cp)
             masking = Masking(masking.causal, masking.documents, rows)
         order = self.layout.gathered_index(q.device)
-        out = sdpa(q_h, k_h, v_h, attn_mask=masking.mask(order, order), scale=scale,
-                   enable_gqa=enable_gqa)  # (b, h/cp, S, dv)
+        if masking.documents is None and masking.explicit is None:  # in sequence order SDPA's own causal flag serves
+            back = torch.argsort(order)  # gathered slot of each position
+            out = sdpa(q_h.index_select(seq, back), k_h.index_select(seq, back), v_h.index_select(seq, back),
+                       is_causal=masking.causal, scale=scale, enable_gqa=enable_gqa).index_select(seq, order)
+        else:
+            out = sdpa(q_h, k_h, v_h, attn_mask=masking.mask(order, order), scale=scale,
+                       enable_gqa=enable_gqa)  # (b, h/cp, S, dv)
         split = (out.size(heads),) * n
         return all_to_all_heads(out, seq, heads, pieces, split, self.cp)  # (b, h, s_r, dv)
 

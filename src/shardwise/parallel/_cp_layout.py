@@ -55,6 +55,9 @@ class SequenceLayout:
             start += size
         return tuple(out)
 
+    def chunk_size(self, chunk: int) -> int:
+        return self._chunks[chunk][1]
+
     def chunks_of(self, rank: int) -> tuple[int, ...]:
         """The chunk indices rank `rank` holds, in the order its piece lays them out."""
         return (rank, 2 * self.cp - 1 - rank) if self.balanced else (rank,)

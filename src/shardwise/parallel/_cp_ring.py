@@ -28,11 +28,13 @@ import torch
 
 from .. import _comm as comm
 from ._cp_comm import CpGroup
+from ._cp_flash import Pair, merge_into, pair_backward
 from ._cp_layout import SequenceLayout
 
 __all__ = ["ring_attention"]
 
 MaskFor = Callable[[int], Optional[torch.Tensor]]
+PairsFor = Callable[[int], list[Pair]]
 
 
 class _Shift:
@@ -78,7 +80,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, group: int) -> torch
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cp: CpGroup,
-                transport: str, mask_for: MaskFor, scale: float) -> torch.Tensor:
+                transport: str, mask_for: MaskFor, pairs_for: Optional[PairsFor], scale: float) -> torch.Tensor:
         n, r = cp.size, cp.rank
         group = q.size(-3) // k.size(-3)
         kv = torch.cat([k, v], dim=-1)  # one message per block: (b, hk, s_j, d + dv)
@@ -89,19 +91,25 @@ class _RingAttention(torch.autograd.Function):
             j = (r - t) % n  # the rank whose block this is
             shift = (_Shift(kv, _block_shape(kv, layout.lengths[(j - 1) % n]), cp, transport, t)
                      if t < n - 1 else None)
-            mask = mask_for(j)
-            if _sees_some(mask):
-                out, lse = _merge(out, lse, q, kv[..., :d], kv[..., d:], mask, scale, group)
+            if pairs_for is not None:  # chunk pairs by the fused kernel, merged in place
+                for p in pairs_for(j):
+                    keys = slice(p.k_start, p.k_start + p.k_len)
+                    merge_into(out, lse, p, q, _heads(kv[..., keys, :d], group), _heads(kv[..., keys, d:], group),
+                               scale)
+            else:
+                mask = mask_for(j)
+                if _sees_some(mask):
+                    out, lse = _merge(out, lse, q, kv[..., :d], kv[..., d:], mask, scale, group)
             if shift is not None:
                 kv = shift.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, cp, transport, mask_for, scale)
+        ctx.args = (layout, cp, transport, mask_for, pairs_for, scale)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        layout, cp, transport, mask_for, scale = ctx.args
+        layout, cp, transport, mask_for, pairs_for, scale = ctx.args
         n, r = cp.size, cp.rank
         group = q.size(-3) // k.size(-3)
         d, dv = k.size(-1), v.size(-1)
@@ -110,8 +118,16 @@ class _RingAttention(torch.autograd.Function):
         block = torch.cat([k, v, torch.zeros_like(k), torch.zeros_like(v)], dim=-1)  # K | V | dK | dV
         for t in range(n):
             j = (r - t) % n
-            mask = mask_for(j)
-            if _sees_some(mask):
+            if pairs_for is not None:
+                block = block.clone()
+                for p in pairs_for(j):
+                    keys = slice(p.k_start, p.k_start + p.k_len)
+                    gq, gk, gv = pair_backward(p, grad_out, q, _heads(block[..., keys, :d], group),
+                                               _heads(block[..., keys, d:d + dv], group), out, lse, scale)
+                    grad_q[..., p.q_start:p.q_start + p.q_len, :] += gq
+                    block[..., keys, d + dv:2 * d + dv] += _fold(gk, group)
+                    block[..., keys, 2 * d + dv:] += _fold(gv, group)
+            elif _sees_some(mask := mask_for(j)):
                 kb, vb = block[..., :d], block[..., d:d + dv]
                 s = _masked(_scores(q, kb, scale, group), mask)
                 p = torch.exp(s - lse.unsqueeze(-1))  # (b, h, sq, sk)
@@ -124,7 +140,7 @@ class _RingAttention(torch.autograd.Function):
                 block[..., 2 * d + dv:] += _fold(grad_v, group)
             # after the last step the block goes one hop further: back to its rank
             block = _Shift(block, _block_shape(block, layout.lengths[(j - 1) % n]), cp, transport, n + t).wait()
-        return grad_q, block[..., d + dv:2 * d + dv], block[..., 2 * d + dv:], None, None, None, None, None
+        return grad_q, block[..., d + dv:2 * d + dv], block[..., 2 * d + dv:], None, None, None, None, None, None
 
 
 def _heads(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -165,11 +181,13 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cp: CpGroup,
-                   transport: str, mask_for: MaskFor, scale: Optional[float]) -> torch.Tensor:
+                   transport: str, mask_for: MaskFor, pairs_for: Optional[PairsFor], scale: Optional[float]
+                   ) -> torch.Tensor:
     """`q` (this rank's queries, (b, h, s_r, d)) against the keys of every rank (see the
     module docstring); `mask_for(j)` is the mask of those queries against rank j's keys
-    (boolean or additive, None for none)."""
+    (boolean or additive, None for none). With `pairs_for` (plain causal or full attention
+    on CPU) each block is instead its visible chunk pairs, by the fused kernel (`_cp_flash`)."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
     out: torch.Tensor = _RingAttention.apply(q, k, v, layout, cp, transport, mask_for,  # type: ignore[no-untyped-call]
-                                             s)
+                                             pairs_for, s)
     return out
