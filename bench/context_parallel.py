@@ -15,7 +15,6 @@ case that fails (out of memory, say) is reported in its row and the others still
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any, Optional
 
