@@ -88,5 +88,6 @@ def all_to_all_heads(x: torch.Tensor, split_dim: int, cat_dim: int, split_sizes:
                      cat_pieces: tuple[int, ...], cp: CpGroup) -> torch.Tensor:
     """Split `x` along `split_dim` (`split_sizes[j]` to rank j) and concatenate what every rank
     sends along `cat_dim` (`cat_pieces[j]` from rank j); the backward is the inverse move."""
-    out: torch.Tensor = _AllToAllHeads.apply(x, split_dim, cat_dim, split_sizes, cat_pieces, cp)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _AllToAllHeads.apply(  # type: ignore[no-untyped-call]
+        x, split_dim, cat_dim, split_sizes, cat_pieces, cp)
     return out

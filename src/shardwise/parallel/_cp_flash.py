@@ -20,7 +20,8 @@ import torch
 
 from ._cp_layout import SequenceLayout
 
-__all__ = ["Pair", "chunk_pairs", "flash_attention", "flash_available", "merge_into"]
+__all__ = ["Pair", "chunk_pairs", "flash_attention", "flash_available", "fold_heads", "merge_into", "pair_backward",
+           "repeat_heads"]
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,13 @@ def flash_available(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
 
-def _heads(x: torch.Tensor, group: int) -> torch.Tensor:
+def repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(b, hk, s, d) with each K/V head repeated `group` times in a row (grouped-query attention)."""
     return x.repeat_interleave(group, dim=-3) if group > 1 else x
 
 
-def _fold(grad: torch.Tensor, group: int) -> torch.Tensor:
+def fold_heads(grad: torch.Tensor, group: int) -> torch.Tensor:
+    """Sum the gradients of the query heads that share one K/V head."""
     if group == 1:
         return grad
     b, h, s, e = grad.shape
@@ -102,7 +105,8 @@ class _FlashPairs(torch.autograd.Function):
         lse = q.new_full(q.shape[:-1], float("-inf"))
         for p in pairs:
             keys = slice(p.k_start, p.k_start + p.k_len)
-            merge_into(out, lse, p, q, _heads(k[..., keys, :], group), _heads(v[..., keys, :], group), scale)
+            merge_into(out, lse, p, q, repeat_heads(k[..., keys, :], group), repeat_heads(v[..., keys, :], group),
+                       scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pairs, ctx.scale = pairs, scale
         return out
@@ -114,11 +118,11 @@ class _FlashPairs(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for p in ctx.pairs:
             keys = slice(p.k_start, p.k_start + p.k_len)
-            gq, gk, gv = pair_backward(p, grad_out, q, _heads(k[..., keys, :], group),
-                                       _heads(v[..., keys, :], group), out, lse, ctx.scale)
+            gq, gk, gv = pair_backward(p, grad_out, q, repeat_heads(k[..., keys, :], group),
+                                       repeat_heads(v[..., keys, :], group), out, lse, ctx.scale)
             dq[..., p.q_start:p.q_start + p.q_len, :] += gq
-            dk[..., keys, :] += _fold(gk, group)
-            dv[..., keys, :] += _fold(gv, group)
+            dk[..., keys, :] += fold_heads(gk, group)
+            dv[..., keys, :] += fold_heads(gv, group)
         return dq, dk, dv, None, None
 
 

@@ -28,7 +28,7 @@ import torch
 
 from .. import _comm as comm
 from ._cp_comm import CpGroup
-from ._cp_flash import Pair, merge_into, pair_backward
+from ._cp_flash import Pair, fold_heads, merge_into, pair_backward, repeat_heads
 from ._cp_layout import SequenceLayout
 
 __all__ = ["ring_attention"]
@@ -72,9 +72,7 @@ def _block_shape(like: torch.Tensor, length: int) -> tuple[int, ...]:
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, group: int) -> torch.Tensor:
     """(b, h, sq, sk) scores of q against k, K heads repeated for grouped-query attention."""
-    if group > 1:
-        k = k.repeat_interleave(group, dim=-3)
-    return torch.matmul(q, k.transpose(-1, -2)) * scale
+    return torch.matmul(q, repeat_heads(k, group).transpose(-1, -2)) * scale
 
 
 class _RingAttention(torch.autograd.Function):
@@ -94,8 +92,8 @@ class _RingAttention(torch.autograd.Function):
             if pairs_for is not None:  # chunk pairs by the fused kernel, merged in place
                 for p in pairs_for(j):
                     keys = slice(p.k_start, p.k_start + p.k_len)
-                    merge_into(out, lse, p, q, _heads(kv[..., keys, :d], group), _heads(kv[..., keys, d:], group),
-                               scale)
+                    merge_into(out, lse, p, q, repeat_heads(kv[..., keys, :d], group),
+                               repeat_heads(kv[..., keys, d:], group), scale)
             else:
                 mask = mask_for(j)
                 if _sees_some(mask):
@@ -122,37 +120,25 @@ class _RingAttention(torch.autograd.Function):
                 block = block.clone()
                 for p in pairs_for(j):
                     keys = slice(p.k_start, p.k_start + p.k_len)
-                    gq, gk, gv = pair_backward(p, grad_out, q, _heads(block[..., keys, :d], group),
-                                               _heads(block[..., keys, d:d + dv], group), out, lse, scale)
+                    gq, gk, gv = pair_backward(p, grad_out, q, repeat_heads(block[..., keys, :d], group),
+                                               repeat_heads(block[..., keys, d:d + dv], group), out, lse, scale)
                     grad_q[..., p.q_start:p.q_start + p.q_len, :] += gq
-                    block[..., keys, d + dv:2 * d + dv] += _fold(gk, group)
-                    block[..., keys, 2 * d + dv:] += _fold(gv, group)
+                    block[..., keys, d + dv:2 * d + dv] += fold_heads(gk, group)
+                    block[..., keys, 2 * d + dv:] += fold_heads(gv, group)
             elif _sees_some(mask := mask_for(j)):
                 kb, vb = block[..., :d], block[..., d:d + dv]
                 s = _masked(_scores(q, kb, scale, group), mask)
                 p = torch.exp(s - lse.unsqueeze(-1))  # (b, h, sq, sk)
                 grad_v = p.transpose(-1, -2) @ grad_out  # (b, h, sk, dv)
-                grad_s = p * (grad_out @ _heads(vb, group).transpose(-1, -2) - rowsum)
-                grad_q += grad_s @ _heads(kb, group) * scale
+                grad_s = p * (grad_out @ repeat_heads(vb, group).transpose(-1, -2) - rowsum)
+                grad_q += grad_s @ repeat_heads(kb, group) * scale
                 grad_k = grad_s.transpose(-1, -2) @ q * scale
                 block = block.clone()
-                block[..., d + dv:2 * d + dv] += _fold(grad_k, group)
-                block[..., 2 * d + dv:] += _fold(grad_v, group)
+                block[..., d + dv:2 * d + dv] += fold_heads(grad_k, group)
+                block[..., 2 * d + dv:] += fold_heads(grad_v, group)
             # after the last step the block goes one hop further: back to its rank
             block = _Shift(block, _block_shape(block, layout.lengths[(j - 1) % n]), cp, transport, n + t).wait()
         return grad_q, block[..., d + dv:2 * d + dv], block[..., 2 * d + dv:], None, None, None, None, None, None
-
-
-def _heads(x: torch.Tensor, group: int) -> torch.Tensor:
-    return x.repeat_interleave(group, dim=-3) if group > 1 else x
-
-
-def _fold(grad: torch.Tensor, group: int) -> torch.Tensor:
-    """Sum the gradients of the query heads that share one K/V head."""
-    if group == 1:
-        return grad
-    b, h, s, e = grad.shape
-    return grad.view(b, h // group, group, s, e).sum(2)
 
 
 def _sees_some(mask: Optional[torch.Tensor]) -> bool:
@@ -173,7 +159,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     block_lse = torch.logsumexp(s, dim=-1)  # -inf for a row that sees none of this block
     seen = torch.isfinite(block_lse)
     p = torch.exp(s - torch.where(seen, block_lse, 0.0).unsqueeze(-1))
-    block_out = p @ _heads(v, group)
+    block_out = p @ repeat_heads(v, group)
     new = torch.logaddexp(lse, block_lse)
     keep = torch.where(torch.isfinite(lse), torch.exp(lse - new), 0.0)
     take = torch.where(seen, torch.exp(block_lse - new), 0.0)
