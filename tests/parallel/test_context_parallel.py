@@ -282,3 +282,34 @@ def _bytes(rotate: str) -> None:
 @pytest.mark.parametrize("rotate", ROTATIONS)
 def test_kv_bytes_per_rank_in_comm_log_equal_the_bound(rotate: str) -> None:
     run_distributed(_bytes, 4, rotate, timeout=120)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Any) -> None:
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _real_log(rotate: str) -> list[tuple[str, int]]:
+    set_rotate_method(rotate)
+    set_load_balance(True)
+    q, k, v = torch.randn(1, 4, 30, 8), torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
+    with sw.comm_log() as log:
+        _attend(q, k, v, _cp_mesh())
+    return [(r.op, r.bytes_received) for r in log]
+
+
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall", "ulysses"])
+def test_a_dry_run_reports_the_collectives_context_parallel_issues(rotate: str) -> None:
+    from shardwise._mesh_dry import as_device_mesh
+    from shardwise.debug import dry_run
+
+    real = run_distributed(_real_log, 4, rotate)
+    mesh = sw.AbstractMesh((4,), ("cp",))
+    set_rotate_method(rotate)
+    set_load_balance(True)
+    with torch.device("meta"):
+        q, k, v = torch.randn(1, 4, 30, 8), torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
+    report = dry_run(_attend, q, k, v, as_device_mesh(mesh), mesh=mesh, ranks=range(4))
+    set_rotate_method("allgather")
+    for rank, log in enumerate(real):
+        assert [(c.kind, c.bytes) for c in report.rank(rank).collectives] == log, rank

@@ -55,7 +55,7 @@ def chunk_pairs(layout: SequenceLayout, q_rank: int, k_rank: int, k_offset: int,
 
 def flash_available(q: torch.Tensor) -> bool:
     """Whether the fused kernel serves these tensors (CPU, floating point)."""
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+    return q.device.type in ("cpu", "meta") and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
 
 def repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
