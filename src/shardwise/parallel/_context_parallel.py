@@ -12,7 +12,9 @@ gathered from the ranks (unless listed in `no_restore_buffers`).
     positions = torch.arange(ids.size(1)).expand_as(ids)
     shift = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)  # next-token labels, shifted once
     with context_parallel(cp, buffers=[ids, positions, shift], buffer_seq_dims=[1, 1, 1]):
-        loss = model(input_ids=ids, position_ids=positions, shift_labels=shift).loss  # this rank's tokens
+        # the mean over this rank's tokens (transformers computes a loss when `labels` is given,
+        # and takes `shift_labels` as already shifted)
+        loss = model(input_ids=ids, position_ids=positions, labels=shift, shift_labels=shift).loss
         loss.backward()
 
 Pass `position_ids`, so the rotary tables are indexed by global positions, and labels
