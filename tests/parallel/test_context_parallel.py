@@ -169,6 +169,14 @@ def _bad_input() -> None:
         with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[2]):
             pass
     assert ids.shape == (2, 16)  # nothing was cut
+    rank = dist.get_rank()
+    with pytest.raises(ValueError, match=r"lengths \[16, 17, 18, 19\]"):  # every rank, no collective left hanging
+        with context_parallel(mesh, buffers=[torch.zeros(2, 16 + rank)], buffer_seq_dims=[1]):
+            pass
+    with pytest.raises(ValueError, match=r"cp rank\(s\) \[0\] was refused|out of range"):  # rank 0's bad dim
+        with context_parallel(mesh, buffers=[ids], buffer_seq_dims=[2 if rank == 0 else 1]):
+            pass
+    assert ids.shape == (2, 16)
     q = torch.zeros(1, 2, 16, 4)
     with pytest.raises(ValueError, match=r"over this rank's tokens only .*context_parallel\(\.\.\., position_ids="):
         with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):

@@ -217,7 +217,7 @@ def _optimizer_into_layouts(model: nn.Module, optim_state_dict: Any, options: St
     if not isinstance(optim_state_dict, Mapping) and not (options.broadcast_from_rank0 and _rank() != 0):
         raise TypeError(f"set_optimizer_state_dict takes the dict get_optimizer_state_dict returns, got "
                         f"{describe(optim_state_dict)}")
-    params = dict(model.named_parameters())
+    params = _model_targets(model)  # by the fully-qualified names the optimizer state dict uses
 
     def cut(path: Path, full: torch.Tensor) -> torch.Tensor:
         if len(path) == 3 and path[0] == "state":  # state[fqn][name]

@@ -157,12 +157,31 @@ def context_parallel(mesh: DeviceMesh, *, buffers: Optional[Sequence[torch.Tenso
     ids of this rank's tokens is recognised and replaced by the global one."""
     cp = _cp_group(mesh)
     buffers, dims = list(buffers or []), [int(d) for d in (buffer_seq_dims or [])]
-    length = _check_buffers(buffers, dims)
-    layout = SequenceLayout(length, cp.size, _OPTIONS.balanced) if buffers else None
-    if layout is None:
-        raise ValueError("context_parallel needs the buffers that carry the sequence (input ids, position ids, "
-                         "labels) and their sequence dims: buffers=[...], buffer_seq_dims=[...]")
-    positions = _whole_positions(position_ids, length)
+    problem: Optional[Exception] = None
+    length, layout, positions = 0, None, None
+    try:
+        length = _check_buffers(buffers, dims)
+        if not buffers:
+            raise ValueError("context_parallel needs the buffers that carry the sequence (input ids, position ids, "
+                             "labels) and their sequence dims: buffers=[...], buffer_seq_dims=[...]")
+        layout = SequenceLayout(length, cp.size, _OPTIONS.balanced)
+        positions = _whole_positions(position_ids, length)
+    except (TypeError, ValueError) as exc:
+        problem = exc
+    # the cp ranks agree before any buffer is cut: a rank with bad input, or a sequence of
+    # another length, stops every rank with an error instead of a collective that never matches
+    rows = all_gather_ints([int(problem is not None), length], cp.group, cp.size)
+    if problem is not None:
+        raise problem
+    failed = [r for r, (bad, _) in enumerate(rows) if bad]
+    if failed:
+        raise ValueError(f"context_parallel: the input of cp rank(s) {failed} was refused (see their errors); "
+                         "nothing was cut")
+    lengths = [n for _, n in rows]
+    if len(set(lengths)) > 1:
+        raise ValueError(f"context_parallel: the cp ranks hold sequences of lengths {lengths}; every cp rank passes "
+                         "the whole sequence (the same buffers), and context_parallel cuts it")
+    assert layout is not None
     keep = {id(b) for b in (no_restore_buffers or ())}
     # the whole values, for an exit by exception: the ranks may then be out of step, and a
     # collective to gather the pieces back could wait for ranks that never come

@@ -22,6 +22,7 @@ kernel (`_cp_flash`), so memory never holds a (queries x keys) matrix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Optional
 
 import torch
@@ -68,6 +69,11 @@ class CpAttention:
             return ring_attention(query, key, value, self.layout, self.cp, self.rotate,
                                   lambda j: masking.mask(mine, self.layout.index(j, query.device)), pairs, scale)
         return self._allgather(sdpa, query, key, value, masking, scale, enable_gqa, plain)
+
+    @cached_property
+    def documents(self) -> Optional[torch.Tensor]:
+        """(batch, S) document index of each token, from the position ids (None without them)."""
+        return documents_of(self.position_ids) if self.position_ids is not None else None
 
     def explain(self) -> str:
         kernel = {"allgather": "causal or full: each visible pair of chunks by torch's fused CPU flash kernel, "
@@ -180,7 +186,7 @@ class CpAttention:
             if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.size(-3) != 1:
                 problems.append(f"an attn_mask with {attn_mask.size(-3)} heads under the ulysses rotation, which "
                                 "splits the heads: give one mask for all heads (size 1 in the heads dim)")
-        documents = documents_of(self.position_ids) if self.position_ids is not None else None
+        documents = self.documents
         masking = Masking(is_causal, documents)
         if attn_mask is not None and not problems:
             masking, problem = self._explicit(attn_mask, is_causal, documents, mine)
