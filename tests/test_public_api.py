@@ -59,7 +59,7 @@ def test_public_surface_is_pinned() -> None:
 
 
 PARALLEL = [
-    "ColwiseParallel", "Coverage", "ExpertParallel", "FusedColwiseParallel", "HFPlanner", "MegatronPlanner", "ParallelStyle",
+    "ColwiseParallel", "ContextParallel", "Coverage", "ExpertParallel", "FusedColwiseParallel", "HFPlanner", "MegatronPlanner", "ParallelStyle",
     "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "ReplicateParallel", "RowwiseParallel", "SequenceParallel", "Sharder", "ShardingPlan", "ShardingPlanner", "coverage",
     "data_parallel",
@@ -102,8 +102,9 @@ def test_checkpoint_surface_is_pinned() -> None:
 def test_experimental_surface_is_pinned() -> None:
     import shardwise.experimental
 
-    assert list(shardwise.experimental.__all__) == ["context_parallel", "context_parallel_unshard", "set_load_balance",
-                                                    "set_rotate_method"]
+    assert list(shardwise.experimental.__all__) == ["ContextParallel", "context_parallel", "context_parallel_unshard",
+                                                    "set_load_balance", "set_rotate_method"]
+    assert shardwise.experimental.ContextParallel is shardwise.parallel.ContextParallel
 
 
 def test_checkpoint_state_dict_mirrors_torchs_functions() -> None:

@@ -133,9 +133,11 @@ def _with_tensor_parallel(name: str, p: DTensor, mesh: DeviceMesh, shard_dim: in
     """The mesh of the dp dims and `p`'s tp dims, `p`'s placements with Shard(k) on the shard dim."""
     tp_mesh = p.device_mesh
     root = mesh._sliced_from[0] if mesh._sliced_from else mesh
-    tp_root = tp_mesh._sliced_from[0] if tp_mesh._sliced_from else tp_mesh
     names = root.mesh_dim_names
-    if root != tp_root or names is None or mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+    # the tp mesh is a sub-mesh of fully_shard's root when the root's dims of its names are it (by ranks and
+    # names: a mesh object equal to the one the parameter was placed on may be another slice's, from a cache)
+    if (names is None or mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None
+            or not set(tp_mesh.mesh_dim_names) <= set(names) or root[tp_mesh.mesh_dim_names] != tp_mesh):
         return mesh, (f"{name} is a DTensor on {tp_mesh!r}, but fully_shard's mesh is {mesh!r}: both must be "
                       f"named sub-meshes of one mesh (init_device_mesh(..., mesh_dim_names=('dp', 'tp')); "
                       f"parallelize on mesh['tp'], fully_shard on mesh['dp'])"), ()
@@ -147,8 +149,11 @@ def _with_tensor_parallel(name: str, p: DTensor, mesh: DeviceMesh, shard_dim: in
     if any(isinstance(q, _StridedShard) and q.dim == k for q in p.placements):
         return mesh, (f"{name} has placements {p._spec.layout_str()}: dim {k} is already split in strides; "
                       f"shard another dim with shard_placement_fn"), ()
-    wanted = set(mesh.mesh_dim_names) | set(tp_mesh.mesh_dim_names)
-    both = tuple(d for d in names if d in wanted)
+    # in the root's dim order; a flattened dim (`_flatten`, torchtitan's dp_shard_cp) where its first dim is
+    flat = root._flattened
+    at = {n: names.index(n) if n in names else min(flat[n]) for n in (*mesh.mesh_dim_names, *tp_mesh.mesh_dim_names)
+          if n in names or n in flat}
+    both = tuple(sorted(at, key=lambda n: at[n]))
     joint = root[both] if both != names else root
     where = {d: i for i, d in enumerate(both)}
     placements: list[Placement] = [Replicate()] * len(both)

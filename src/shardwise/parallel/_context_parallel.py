@@ -76,11 +76,11 @@ def set_load_balance(balanced: bool) -> None:
     _OPTIONS.balanced = bool(balanced)
 
 
-def _cp_group(mesh: Any) -> CpGroup:
+def cp_group(mesh: Any, what: str = "context_parallel") -> CpGroup:
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"context_parallel takes the cp DeviceMesh, got {describe(mesh)}")
+        raise TypeError(f"{what} takes the cp DeviceMesh, got {describe(mesh)}")
     if mesh.ndim != 1:
-        raise ValueError(f"context_parallel takes a 1-D cp mesh, got a {mesh.ndim}-D mesh with dims "
+        raise ValueError(f"{what} takes a 1-D cp mesh, got a {mesh.ndim}-D mesh with dims "
                          f"{mesh.mesh_dim_names}: pass its cp sub-mesh, e.g. mesh['cp']")
     return CpGroup(mesh.get_group(0), mesh.size(), mesh.get_local_rank(0), tuple(int(r) for r in mesh.mesh.tolist()))
 
@@ -155,11 +155,22 @@ def context_parallel(mesh: DeviceMesh, *, buffers: Optional[Sequence[torch.Tenso
     buffers too): when several documents are packed in a sample (positions restarting),
     attention stays within each document, and a model's own mask built from the position
     ids of this rank's tokens is recognised and replaced by the global one."""
-    cp = _cp_group(mesh)
-    buffers, dims = list(buffers or []), [int(d) for d in (buffer_seq_dims or [])]
-    problem: Optional[Exception] = None
+    with split_sequence(cp_group(mesh), list(buffers or []), [int(d) for d in (buffer_seq_dims or [])],
+                        {id(b) for b in (no_restore_buffers or ())}, position_ids) as attention:
+        yield attention
+
+
+@contextlib.contextmanager
+def split_sequence(cp: CpGroup, buffers: list[torch.Tensor], dims: list[int], keep: set[int],
+                   position_ids: Optional[torch.Tensor], problem: Optional[Exception] = None
+                   ) -> Iterator[CpAttention]:
+    """`context_parallel`'s body on the cp group: agree, cut `buffers` in place, run
+    attention context-parallel, restore the buffers not in `keep` (ids). `problem`: an error
+    the caller found in its own input, raised on this rank after the ranks agreed."""
     length, layout, positions = 0, None, None
     try:
+        if problem is not None:
+            raise problem
         length = _check_buffers(buffers, dims)
         if not buffers:
             raise ValueError("context_parallel needs the buffers that carry the sequence (input ids, position ids, "
@@ -182,7 +193,6 @@ def context_parallel(mesh: DeviceMesh, *, buffers: Optional[Sequence[torch.Tenso
         raise ValueError(f"context_parallel: the cp ranks hold sequences of lengths {lengths}; every cp rank passes "
                          "the whole sequence (the same buffers), and context_parallel cuts it")
     assert layout is not None
-    keep = {id(b) for b in (no_restore_buffers or ())}
     # the whole values, for an exit by exception: the ranks may then be out of step, and a
     # collective to gather the pieces back could wait for ranks that never come
     saved = [b.clone() if id(b) not in keep else None for b in buffers]
@@ -213,7 +223,7 @@ def context_parallel_unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], 
                              ) -> list[torch.Tensor]:
     """The whole tensors of `buffers`, each one rank's piece of a sequence split by
     `context_parallel` (with the load balance in effect), gathered over the cp `mesh`."""
-    cp = _cp_group(mesh)
+    cp = cp_group(mesh)
     out = []
     for b, d in zip(buffers, seq_dims):
         d = d % b.dim()
