@@ -321,3 +321,39 @@ def test_a_dry_run_reports_the_collectives_context_parallel_issues(rotate: str) 
     set_rotate_method("allgather")
     for rank, log in enumerate(real):
         assert [(c.kind, c.bytes) for c in report.rank(rank).collectives] == log, rank
+
+
+def _checkpointed(reentrant: bool) -> None:
+    """transformers' gradient checkpointing inside the block: the layers recompute in backward,
+    where autograd runs without the block's torch function mode; the recomputation is
+    context-parallel as the first run was (a local one would give wrong gradients)."""
+    transformers = pytest.importorskip("transformers")
+    set_rotate_method("allgather")
+    set_load_balance(True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).double()
+    reference = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    seq = 60
+    ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(seq).expand(2, seq).clone()
+    shift = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    whole = reference(input_ids=ids, position_ids=positions)
+    F.cross_entropy(whole.logits.flatten(0, 1), shift.flatten(), ignore_index=-100).backward()
+    counted = int((shift != -100).sum())
+    # (checkpointing turns the model's cache off, so it builds its mask from the position ids: given here)
+    with context_parallel(_cp_mesh(), buffers=[ids, positions, shift], buffer_seq_dims=[1, 1, 1],
+                          position_ids=positions):
+        out = model(input_ids=ids, position_ids=positions)
+        loss = F.cross_entropy(out.logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum") / counted
+        loss.backward()
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # torch's own again
+    for (name, p), (_, r) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, r.grad, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_gradient_checkpointing_inside_the_block_recomputes_context_parallel(reentrant: bool) -> None:
+    run_distributed(_checkpointed, 4, reentrant, timeout=300)

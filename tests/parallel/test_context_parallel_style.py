@@ -203,3 +203,25 @@ def _loss_parallel() -> None:
 
 def test_loss_parallel_with_sequence_split_labels_under_cp_x_tp() -> None:
     run_distributed(_loss_parallel, 4, timeout=300)
+
+
+def _checkpointed(reentrant: bool) -> None:
+    """transformers' gradient checkpointing: the layers recompute in backward, where autograd runs
+    without the caller's torch function modes; the recomputation is context-parallel too."""
+    set_rotate_method("ring")
+    set_load_balance(True)
+    model, reference = _models()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = _ids(2, 60)
+    want = reference(input_ids=ids, labels=ids)
+    want.loss.backward()
+    parallelize_module(model, sw.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",)), ContextParallel())
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert abs(out.loss.item() - want.loss.item()) <= _loss_bound(want.loss)
+    _check_grads(model, reference)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_gradient_checkpointing_recomputes_context_parallel(reentrant: bool) -> None:
+    run_distributed(_checkpointed, 4, reentrant, timeout=300)

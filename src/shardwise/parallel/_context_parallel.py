@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .._comm import all_gather_ints
 from .._describe import describe
@@ -85,6 +86,12 @@ def cp_group(mesh: Any, what: str = "context_parallel") -> CpGroup:
     return CpGroup(mesh.get_group(0), mesh.size(), mesh.get_local_rank(0), tuple(int(r) for r in mesh.mesh.tolist()))
 
 
+def make_cp_attention(length: int, cp: CpGroup) -> CpAttention:
+    """Attention for sequences of `length` tokens split over `cp`, by the rotation and load
+    balance set now (`set_rotate_method`, `set_load_balance`)."""
+    return CpAttention(SequenceLayout(length, cp.size, _OPTIONS.balanced), cp, _OPTIONS.rotate)
+
+
 def _check_buffers(buffers: Sequence[torch.Tensor], dims: Sequence[int]) -> int:
     """The sequence length the buffers share; every problem with them raised at once."""
     problems: list[str] = []
@@ -108,18 +115,85 @@ def _check_buffers(buffers: Sequence[torch.Tensor], dims: Sequence[int]) -> int:
     return next(iter(lengths.values()), 0)
 
 
-class _Attention(TorchFunctionMode):
+_ACTIVE: ContextVar[Optional[CpAttention]] = ContextVar("shardwise_cp_attention", default=None)
+
+
+def current_cp_attention() -> Optional[CpAttention]:
+    """The context-parallel attention running now (its layout says which tokens this rank
+    holds), or None outside context parallelism."""
+    return _ACTIVE.get()
+
+
+def cp_mode_on() -> bool:
+    """Whether a context-parallel attention mode is on this thread's torch function mode stack
+    (it is not in a backward pass: autograd's engine runs without the caller's modes)."""
+    return any(isinstance(m, Attention) for m in _get_current_function_mode_stack())  # type: ignore[no-untyped-call]
+
+
+def recomputed_under(attention: CpAttention, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run with `attention` on whenever it is called without it (a checkpointed layer's
+    recomputation in backward)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if cp_mode_on():
+            return fn(*args, **kwargs)
+        with Attention(attention):
+            return fn(*args, **kwargs)
+    return run
+
+
+_SDPA = F.scaled_dot_product_attention  # torch's own, whatever torch.nn.functional holds later
+_HOLDERS = [0]  # open blocks that need `_sdpa_or_recompute` in torch.nn.functional
+
+
+def _sdpa_or_recompute(*args: Any, **kwargs: Any) -> Any:
+    """`F.scaled_dot_product_attention` while a `context_parallel` block is open. A call with the
+    block's attention set but its mode off is a recomputation in backward (torch.utils.checkpoint,
+    transformers' gradient checkpointing: autograd runs backward without the caller's torch
+    function modes); it runs context-parallel, as the forward did. Any other call is torch's."""
+    attention = _ACTIVE.get()
+    if attention is not None and not cp_mode_on():
+        with Attention(attention):
+            return _SDPA(*args, **kwargs)
+    return _SDPA(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _recomputation_seen() -> Iterator[None]:
+    """`_sdpa_or_recompute` in torch.nn.functional while at least one block is open (the name
+    a model looks up at call time, as transformers' sdpa attention does)."""
+    if _HOLDERS[0] == 0:
+        F.scaled_dot_product_attention = _sdpa_or_recompute
+    _HOLDERS[0] += 1
+    try:
+        yield
+    finally:
+        _HOLDERS[0] -= 1
+        if _HOLDERS[0] == 0:
+            F.scaled_dot_product_attention = _SDPA
+
+
+class Attention(TorchFunctionMode):
     """Runs every `F.scaled_dot_product_attention` inside the context context-parallel."""
 
     def __init__(self, attention: CpAttention) -> None:
         super().__init__()
         self.attention = attention
+        self.tokens: list[Token[Optional[CpAttention]]] = []
+
+    def __enter__(self) -> Attention:
+        self.tokens.append(_ACTIVE.set(self.attention))
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        _ACTIVE.reset(self.tokens.pop())
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return self.attention(F.scaled_dot_product_attention, *args, **kwargs)
+        if func is _SDPA:
+            return self.attention(_SDPA, *args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -200,7 +274,7 @@ def split_sequence(cp: CpGroup, buffers: list[torch.Tensor], dims: list[int], ke
         _set(b, b.index_select(d, layout.index(cp.rank, b.device)))
     attention = CpAttention(layout, cp, _OPTIONS.rotate, positions)
     try:
-        with _Attention(attention):
+        with Attention(attention), _recomputation_seen():
             yield attention
     except BaseException:
         for b, whole in zip(buffers, saved):

@@ -28,6 +28,10 @@ instead (the HSDP / torchtitan `dp_shard_cp` layout): there the loss's gradient 
 scaled by cp, so `fully_shard`'s mean over dp x cp ranks is one process's gradient,
 averaged over data-parallel replicas only.
 
+Layers transformers checkpoints (`model.gradient_checkpointing_enable()`) recompute in
+backward with context-parallel attention, as their first run had it (autograd runs
+backward without the torch function mode that context parallelism is).
+
 The model's outputs other than the loss stay this rank's tokens (logits included:
 `context_parallel_unshard` gathers them). A padding mask with zeros and 4-D masks are
 refused: pack documents and mark them by `position_ids` instead.
@@ -35,11 +39,12 @@ refused: pack documents and mark them by `position_ids` instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -48,7 +53,8 @@ from .. import _comm as comm
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate
 from .._tensor import DTensor
-from ._context_parallel import cp_group, split_sequence
+from ._context_parallel import cp_group, recomputed_under, split_sequence
+from ._cp_attention import CpAttention
 from ._cp_comm import CpGroup
 from ._style import ParallelStyle
 
@@ -142,7 +148,7 @@ class _Runner:
                                  "inputs, or set seq_dim")
         buffers = list(tensors.values())
         with split_sequence(self.cp, buffers, [self.seq_dim] * len(buffers), {id(b) for b in buffers}, positions,
-                            problem):
+                            problem) as attention, _checkpoints_under(self.module_ref, attention):
             if self.var_kw:
                 named[self.var_kw] = extra
             call = inspect.BoundArguments(self.signature, named)  # type: ignore[arg-type,unused-ignore]
@@ -242,6 +248,28 @@ class _Runner:
             seen.add(id(p))
             self.handles.append(p.register_hook(  # type: ignore[no-untyped-call]
                 functools.partial(_sum_over_cp, self.cp, self.scale)))
+
+
+@contextlib.contextmanager
+def _checkpoints_under(module: nn.Module, attention: CpAttention) -> Iterator[None]:
+    """While the forward runs, the layers transformers checkpoints (`gradient_checkpointing_enable`)
+    recompute in backward with context-parallel attention on, as their first run had it."""
+    changed = []
+    for m in module.modules():
+        func = m.__dict__.get("_gradient_checkpointing_func")
+        if getattr(m, "gradient_checkpointing", False) and callable(func):
+            setattr(m, "_gradient_checkpointing_func", functools.partial(_checkpoint_under, func, attention))
+            changed.append((m, func))
+    try:
+        yield
+    finally:
+        for m, func in changed:
+            setattr(m, "_gradient_checkpointing_func", func)
+
+
+def _checkpoint_under(checkpoint: Callable[..., Any], attention: CpAttention, fn: Callable[..., Any], *args: Any,
+                      **kwargs: Any) -> Any:
+    return checkpoint(recomputed_under(attention, fn), *args, **kwargs)
 
 
 def _covered_by_fsdp(module: nn.Module, cp: CpGroup) -> set[tuple[int, str]]:

@@ -12,7 +12,8 @@ gradient copy from the next partition.
 The recomputation sees the same random numbers: the CPU generator (and the CUDA
 generator of the input's device) is saved before the first run and restored, under
 `torch.random.fork_rng`, around the second, so dropout masks match. Python's and
-NumPy's generators are not replayed. `is_checkpointing()` / `is_recomputing()` tell a
+NumPy's generators are not replayed. Under context parallelism the recomputation runs its
+attention context-parallel again, as the first run did. `is_checkpointing()` / `is_recomputing()` tell a
 layer which run it is in (thread-local), so side effects such as batch-norm statistics
 happen once.
 
@@ -29,12 +30,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
+from ..parallel._context_parallel import Attention, cp_mode_on, current_cp_attention
 from ._dependency import fork, get_phony, join
 from ._microbatch import Batch, BatchValue
 
@@ -99,6 +101,9 @@ class _Context:
         self.device = batch.get_device()
         self.rng: Optional[RNGStates] = None
         self.recomputed: deque[Recomputed] = deque(maxlen=1)
+        # context-parallel attention is a torch function mode, and autograd's engine runs backward
+        # without the caller's modes: the recomputation re-enters the one its first run had
+        self.cp = current_cp_attention()
 
     def call(self, values: tuple[Any, ...]) -> BatchValue:
         return self.function(values[0] if self.atomic else values)
@@ -155,7 +160,8 @@ class Recompute(torch.autograd.Function):
         tensors = tuple(t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
         leaves = ctx.rebuild(tensors)
         assert shared.rng is not None  # Checkpoint.forward ran first
-        with _replay_rng(shared.device, shared.rng), torch.enable_grad(), _flag("recomputing"):
+        with (_replay_rng(shared.device, shared.rng), torch.enable_grad(), _flag("recomputing"),
+              Attention(shared.cp) if shared.cp is not None and not cp_mode_on() else nullcontext()):
             output = shared.call(leaves)
         shared.recomputed.append((output, leaves))
         return (None, None) + (None,) * len(leaves)

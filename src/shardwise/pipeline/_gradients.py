@@ -112,6 +112,36 @@ def reduce_gradients(self: DistributedPipe) -> None:
             p.grad = _like(piece.clone(), g if g is not None else p)
 
 
+def sum_cp_gradients(self: DistributedPipe) -> None:
+    """Sum this rank's gradients over cp (each cp rank computed its own tokens' share): one
+    all_reduce per bucket of about `bucket_cap_mb`."""
+    cp = self._cp
+    if cp is None or cp.size == 1:
+        return
+    params = [p for p in self.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    try:
+        summed = comm.all_reduce_coalesced([_piece(g) for g in grads], cp.group, cp.size, "sum",
+                                           templates=[_local(p) for p in params],
+                                           bucket_bytes=int(self.bucket_cap_mb * 2**20))
+    except RuntimeError as exc:
+        raise PipelineError(f"rank {self.rank}: summing gradients over {self.cp_dim!r} failed ({exc}): a rank of "
+                            "another cp piece probably failed in this step") from exc
+    for p, g, piece in zip(params, grads, summed):
+        if piece is not None:
+            p.grad = _like(piece.clone(), g if g is not None else p)
+
+
+def whole_loss(self: DistributedPipe, loss: Tensor) -> Tensor:
+    """The step's loss over the whole sequences: this cp rank's share summed with the others'."""
+    cp = self._cp
+    if cp is None or cp.size == 1:
+        return loss
+    record = comm.AllReduce(group=cp.group, size=cp.size, shape=tuple(loss.shape), dtype=loss.dtype, op="sum",
+                            mesh_dims=(cp.mesh_dim,))
+    return comm.run(record, loss.detach())
+
+
 def _settled(grad: Optional[Tensor], param: Tensor) -> Optional[Tensor]:
     """`grad` in its parameter's layout (a Partial gradient reduced)."""
     if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:

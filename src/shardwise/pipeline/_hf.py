@@ -27,7 +27,9 @@ the LM head (GPT-2, T5) end up on two stages; `DistributedPipe` sums such a shar
 parameter's gradient over the stages holding it, so every copy steps alike.
 
 `hf_loss(model)` is the model's own loss on `(logits, labels)`: its `loss_function` for
-causal LMs (labels shifted inside, -100 ignored, a mean over the micro-batch's tokens),
+causal LMs (labels shifted inside, -100 ignored, a mean over the micro-batch's tokens;
+under context parallelism the pipe shifts them over the whole sequence first, as the
+function's `shifts_labels` asks),
 cross-entropy over every position for T5. Other architectures raise `TypeError`: a
 hand-written cut that misses part of a model's forward is silently wrong, so only the
 forwards mirrored here (and tested against the whole model) are offered.
@@ -44,6 +46,7 @@ from torch import Tensor, nn
 
 from .._describe import describe
 from .._source_names import record_source
+from ..parallel._context_parallel import current_cp_attention
 
 __all__ = ["hf_loss", "hf_sequential"]
 
@@ -117,7 +120,10 @@ def hf_loss(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
         loss_function: Callable[..., Tensor] = model.loss_function  # type: ignore[assignment]
 
         def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+            if current_cp_attention() is not None:  # the pipe shifted the labels over the whole sequence
+                return loss_function(logits=logits, labels=labels, vocab_size=vocab_size, shift_labels=labels)
             return loss_function(logits=logits, labels=labels, vocab_size=vocab_size)
+        causal_lm_loss.shifts_labels = True  # type: ignore[attr-defined]
         return causal_lm_loss
     raise TypeError(f"hf_loss knows the losses of the models hf_sequential cuts; got {describe(model)} "
                     f"(model_type {kind!r})")
@@ -140,7 +146,27 @@ def _join(hidden: Tensor, mask: Optional[Tensor], like: Any) -> Any:
 
 
 def _positions(hidden: Tensor) -> Tensor:
+    """(1, tokens) positions of the tokens `hidden` holds: under context parallelism
+    (`DistributedPipe(..., cp_dim=)`), this rank's tokens' places in the whole sequence."""
+    cp = current_cp_attention()
+    if cp is not None:
+        return cp.layout.index(cp.cp.rank, hidden.device).unsqueeze(0)
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+def _causal_mask(make: Callable[..., Any], config: Any, hidden: Tensor, padding: Optional[Tensor],
+                 positions: Tensor, sliding: bool = False) -> Any:
+    """The mask the model's forward would make; under context parallelism none (plain causal
+    attention, which context-parallel attention applies by global position)."""
+    if current_cp_attention() is None:
+        return make(config=config, inputs_embeds=hidden, attention_mask=padding, past_key_values=None,
+                    position_ids=positions)
+    if padding is not None or sliding:
+        raise ValueError("a context-parallel pipeline runs plain causal attention over whole sequences: "
+                         + ("an attention_mask (padding) cannot be split with the sequence; pack documents "
+                            "without padding" if padding is not None else
+                            "a sliding-window layer is not supported yet under cp_dim"))
+    return None
 
 
 class _Embed(nn.Module):
@@ -175,8 +201,7 @@ class _DecoderLayer(nn.Module):
         positions = _positions(hidden)
         masks = _masks()
         make = masks.create_sliding_window_causal_mask if self.sliding else masks.create_causal_mask
-        mask = make(config=self.config, inputs_embeds=hidden, attention_mask=padding, past_key_values=None,
-                    position_ids=positions)
+        mask = _causal_mask(make, self.config, hidden, padding, positions, self.sliding)
         out = self.layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=None, use_cache=False,
                          position_embeddings=self.rotary_emb(hidden, position_ids=positions))
         return _join(out[0] if isinstance(out, tuple) else out, padding, value)
@@ -223,8 +248,7 @@ class _GPT2Block(nn.Module):
     def forward(self, value: Any) -> Any:
         hidden, padding = _split(value)
         positions = _positions(hidden)
-        mask = _masks().create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=padding,
-                                           past_key_values=None, position_ids=positions)
+        mask = _causal_mask(_masks().create_causal_mask, self.config, hidden, padding, positions)
         out = self.block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
                          position_ids=positions)
         return _join(out[0] if isinstance(out, tuple) else out, padding, value)

@@ -55,6 +55,7 @@ process like a mesh's groups; `close()` releases it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -68,9 +69,12 @@ from .._mesh import DeviceMesh, collective_timeout
 from .._mesh_dry import DryGroup, DryMesh, as_device_mesh
 from .._source_names import carry_source
 from .._tensor import DTensor
+from ..parallel._context_parallel import Attention, cp_group, make_cp_attention
+from ..parallel._cp_attention import CpAttention
 from ..parallel._data_parallel import data_parallel
-from ._gradients import check_shared, reduce_gradients, shared_across_ranks, shared_groups, sum_shared_gradients
-from ._microbatch import BatchValue, gather
+from ._gradients import (check_shared, reduce_gradients, shared_across_ranks, shared_groups, sum_cp_gradients,
+                         sum_shared_gradients, whole_loss)
+from ._microbatch import Batch, BatchValue, gather
 from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ._stage import PipelineStage, split_module
 from ._step import StepRun
@@ -97,6 +101,13 @@ class DistributedPipe(nn.Module):
             its own ranks, the tp sizes free (a 4-wide stage may feed a 2-wide one).
         dp_dim: the data-parallel mesh dim (default: `"dp"` when the mesh has one).
         tp_dim: the tensor-parallel mesh dim (default: `"tp"` when the mesh has one).
+        cp_dim: the context-parallel mesh dim (default: `"cp"` when the mesh has one). Every
+            cp rank passes the whole sequences (the first stage's input, the last stage's
+            target); each runs the pipeline on its piece of every sequence (split as
+            `context_parallel` splits it), attention sees the whole sequence, the loss
+            returned is the whole batch's and the gradients are summed over cp. A loss
+            function is taken as a mean over the target's counted tokens (-100 ignored); one
+            that `shifts_labels` (`hf_loss`) gets labels shifted over the whole sequence.
         shard_parameters: ZeRO-3 over dp: each stage's parameters (and gradients and optimizer
             state) split over the dp dim as `data_parallel(shard_parameters=True)` does,
             gathered for compute, their gradients reduce-scattered in each backward (as FSDP);
@@ -130,7 +141,7 @@ class DistributedPipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], mesh: DeviceMesh | Sequence[DeviceMesh], *,
                  pp_dim: str = "pp",
-                 dp_dim: Optional[str] = None, tp_dim: Optional[str] = None,
+                 dp_dim: Optional[str] = None, tp_dim: Optional[str] = None, cp_dim: Optional[str] = None,
                  tp_plan: Optional[Mapping[str, Any]] = None, shard_parameters: bool = False, schedule: str = "gpipe",
                  virtual_stages: Optional[int] = None,
                  chunks: int = 1, checkpoint: str = "except_last", loss_fn: Optional[LossFn] = None,
@@ -146,12 +157,15 @@ class DistributedPipe(nn.Module):
             raise TypeError(f"balance must be a list of layers per stage, got {describe(balance)}: e.g. [2, 2]")
         balance = list(balance)
         if isinstance(mesh, DeviceMesh):
-            dp_dim, tp_dim = _check_arguments(mesh, pp_dim, dp_dim, tp_dim, tp_plan, schedule, virtual_stages,
-                                              len(balance), chunks)
-            topology, stage_mesh = uniform_topology(mesh, pp_dim, dp_dim, tp_dim), mesh
+            dp_dim, tp_dim, cp_dim = _check_arguments(mesh, pp_dim, dp_dim, tp_dim, cp_dim, tp_plan, schedule,
+                                                      virtual_stages, len(balance), chunks)
+            topology, stage_mesh = uniform_topology(mesh, pp_dim, dp_dim, tp_dim, cp_dim), mesh
             tp_mesh = mesh[tp_dim] if tp_dim is not None else None
             zero_mesh = mesh[tuple(d for d in (dp_dim, tp_dim) if d is not None)] if dp_dim is not None else None
         else:  # one mesh per stage: (tp,) or (dp, tp), tp sizes free
+            if cp_dim is not None:
+                raise ValueError(f"cp_dim={cp_dim!r} needs one mesh with pp and cp dims (e.g. ('pp', 'cp') or "
+                                 "('pp', 'dp', 'cp', 'tp')), not a list of stage meshes")
             topology, stage_mesh, dp_dim, tp_dim = stage_topology(mesh, dp_dim, tp_dim)
             _check_staged(topology, tp_plan, schedule, virtual_stages, len(balance), chunks)
             tp_mesh = stage_mesh[tp_dim] if stage_mesh.ndim == 2 else stage_mesh
@@ -202,6 +216,8 @@ class DistributedPipe(nn.Module):
         self._shared = shared_groups(topology, shared, self.partitions, stage_mesh.device_type)
         self._dp_group = stage_mesh.get_group(dp_dim) if dp_dim is not None else None
         self._dp_size = stage_mesh.size(dp_dim) if dp_dim is not None else 1
+        self.cp_dim = cp_dim
+        self._cp = cp_group(stage_mesh[cp_dim], "DistributedPipe") if cp_dim is not None else None
         self._broken: Optional[str] = None
         self._steps = 0  # steps begun, named in errors ("... of micro-batch 2 of step 3")
         self._abandoned: list[comm.P2PWork] = []  # sends no one will receive; their buffers must outlive them
@@ -218,13 +234,16 @@ class DistributedPipe(nn.Module):
         run = StepRun(self, train=True)
         self._execute(run, self.schedule.rank_order(self.pp_rank), input, target)
         sum_shared_gradients(self)
+        sum_cp_gradients(self)
         reduce_gradients(self)
         if not self._holds(self.num_stages - 1):
             return None
-        return run.loss.full_tensor() if isinstance(run.loss, DTensor) else run.loss
+        loss = run.loss.full_tensor() if isinstance(run.loss, DTensor) else run.loss
+        return whole_loss(self, loss) if loss is not None else None
 
     def forward(self, input: Optional[BatchValue] = None) -> Optional[BatchValue]:
-        """Forward only, without autograd: the joined outputs on the last stage's rank, `None` elsewhere."""
+        """Forward only, without autograd: the joined outputs on the last stage's rank, `None`
+        elsewhere (under cp_dim, each cp rank's tokens of them)."""
         run = StepRun(self, train=False)
         with torch.no_grad():
             order = [a for a in self.schedule.rank_order(self.pp_rank) if a.kind == "F"]
@@ -261,15 +280,33 @@ class DistributedPipe(nn.Module):
         k = 0
         self._steps += 1
         failure: Optional[tuple[BaseException, RemoteFailure]] = None
+        attention = self._cp_attention(input) if self._cp is not None else None
         try:
-            run.prepare(input, target)
-            for k, action in enumerate(order):
-                run.current = action
-                run.do(action)
+            with Attention(attention) if attention is not None else nullcontext():
+                run.prepare(input, target)
+                for k, action in enumerate(order):
+                    run.current = action
+                    run.do(action)
             run.current = None
         except BaseException as exc:
             failure = self._notify(exc, order[k:], run)
         self._conclude(failure)
+
+    def _cp_attention(self, input: Any) -> CpAttention:
+        """The step's context-parallel attention: the first stage's ranks tell the others the
+        sequence length (one small all_gather over the pp ranks)."""
+        assert self._cp is not None
+        length = -1
+        if self._holds(0) and input is not None:
+            first = Batch(input).tensors[0]
+            length = first.size(1) if first.dim() >= 2 else -1
+        rows = comm.all_gather_ints([length], self._group, self._group_size) if self._group_size > 1 else [[length]]
+        lengths = {n for (n,) in rows if n >= 0}
+        if len(lengths) != 1:
+            raise ValueError(f"DistributedPipe(cp_dim={self.cp_dim!r}): the first stage's input must be (batch, seq, "
+                             f"...) whole sequences, one length; the first stage's ranks gave lengths "
+                             f"{sorted(n for (n,) in rows if n >= 0) or 'none'}")
+        return make_cp_attention(lengths.pop(), self._cp)
 
     def _notify(self, exc: BaseException, remaining: list[Action], run: StepRun) -> tuple[BaseException, RemoteFailure]:
         """Tell every stage this rank still owes a message that the step failed; return the error to raise here."""
@@ -336,9 +373,10 @@ class DistributedPipe(nn.Module):
         self._abandoned += self._wire.abandon()
 
 def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_dim: Optional[str],
-                     tp_plan: Optional[Mapping[str, Any]], schedule: str, virtual_stages: Optional[int],
-                     num_stages: int, chunks: int) -> tuple[Optional[str], Optional[str]]:
-    """Problems with the mesh and the schedule, raised together; returns the dp and tp dims."""
+                     cp_dim: Optional[str], tp_plan: Optional[Mapping[str, Any]], schedule: str,
+                     virtual_stages: Optional[int], num_stages: int, chunks: int
+                     ) -> tuple[Optional[str], Optional[str], Optional[str]]:
+    """Problems with the mesh and the schedule, raised together; returns the dp, tp and cp dims."""
     problems: list[str] = []
     names = mesh.mesh_dim_names or ()
     if pp_dim not in names:
@@ -352,13 +390,18 @@ def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_di
     elif dp_dim is not None and dp_dim not in names:
         problems.append(f"dp_dim={dp_dim!r} is not a dim of the mesh (dims: {names}): name the mesh's data-parallel "
                         "dim, or leave dp_dim=None for a mesh without one")
+    if cp_dim is None and "cp" in names and "cp" not in (pp_dim, dp_dim, tp_dim):
+        cp_dim = "cp"
+    elif cp_dim is not None and (cp_dim not in names or cp_dim in (pp_dim, dp_dim, tp_dim)):
+        problems.append(f"cp_dim={cp_dim!r} is not a dim of the mesh apart from its pp, dp and tp dims (dims: "
+                        f"{names}): name the mesh's context-parallel dim, or leave cp_dim=None")
     tp_dim, tp_problems = tp_dim_of(mesh, pp_dim, dp_dim, tp_dim, tp_plan)
     problems += tp_problems
-    others = [n for n in names if n not in (pp_dim, dp_dim, tp_dim)]
+    others = [n for n in names if n not in (pp_dim, dp_dim, tp_dim, cp_dim)]
     if others:
-        problems.append(f"mesh dims {others} are not the pp dim ({pp_dim!r}), the dp dim ({dp_dim!r}) or the tp dim "
-                        f"({tp_dim!r}): DistributedPipe runs over (pp,), (pp, dp), (pp, tp) or (pp, dp, tp) meshes; "
-                        "slice the mesh (mesh['pp', 'dp']) or name the dims")
+        problems.append(f"mesh dims {others} are not the pp dim ({pp_dim!r}), the dp dim ({dp_dim!r}), the cp dim "
+                        f"({cp_dim!r}) or the tp dim ({tp_dim!r}): DistributedPipe runs over meshes of a pp dim and "
+                        "optionally dp, cp and tp dims; slice the mesh (mesh['pp', 'dp']) or name the dims")
     if pp_dim in names:
         problems += _schedule_problems(mesh.size(pp_dim), schedule, virtual_stages, num_stages, chunks)
     elif schedule not in SCHEDULES:
@@ -366,7 +409,7 @@ def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_di
     if problems:
         raise ValueError(problems[0] if len(problems) == 1 else f"{len(problems)} problems with the "
                          "DistributedPipe arguments:\n" + "\n".join(f"  - {p}" for p in problems))
-    return dp_dim, tp_dim
+    return dp_dim, tp_dim, cp_dim
 
 
 def _check_staged(topology: Topology, tp_plan: Optional[Mapping[str, Any]], schedule: str,

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor
 
+from .._describe import describe
+from ..parallel._context_parallel import current_cp_attention
+from ..parallel._cp_attention import CpAttention
 from ..parallel._data_parallel import no_sync
 from ._microbatch import Batch, BatchValue, check, scatter
 from ._schedule import Action
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
     from ._runtime import DistributedPipe
 
 __all__ = ["StepRun"]
+
+_IGNORE = -100  # the label a mean does not count (torch's and transformers' ignore_index)
 
 
 class StepRun:
@@ -43,6 +48,8 @@ class StepRun:
         self.outputs: dict[int, Batch] = {}
         self.sent: set[tuple[int, int]] = set()
         self.loss: Optional[Tensor] = None
+        self.cp: Optional[CpAttention] = None
+        self.counts: list[int] = []  # under cp: each micro-batch's counted target tokens, whole
         self.current: Optional[Action] = None
         order = pipe.schedule.rank_order(pipe.pp_rank)
         self.last_backward = {a.stage: (a.microbatch, a.stage) for a in order if a.kind == "B"}  # the last wins
@@ -51,16 +58,25 @@ class StepRun:
 
     def prepare(self, input: Any, target: Any) -> None:
         pipe, m = self.pipe, self.pipe.schedule.num_microbatches
+        self.cp = cp = current_cp_attention()  # under cp_dim: this rank runs its piece of every sequence
         if pipe._holds(0):
             if input is None:
                 raise ValueError(f"rank {pipe.rank} holds the first stage, so it needs the input: pass it to "
                                  "step()/the pipe on this rank")
             check(input)
             self.batches = _split(_to(input, pipe.device), m, "input")
+            if cp is not None:
+                self.batches = [Batch(_cut(b.value, cp)) for b in self.batches]
         if self.train and pipe._holds(pipe.num_stages - 1) and target is not None:
-            self.targets = [b.value for b in _split(_to(target, pipe.device), m, "target")]
+            target = _to(target, pipe.device)
+            if cp is not None and getattr(pipe.loss_fn, "shifts_labels", False):
+                target = _shift(target)  # next-token labels over the whole sequence, before it is cut
+            self.targets = [b.value for b in _split(target, m, "target")]
             rows = [Batch(t).tensors[0].shape[0] for t in self.targets]
             self.weights = [r / sum(rows) for r in rows]
+            if cp is not None:
+                self.counts = [_counted(t) for t in self.targets]
+                self.targets = [_cut(t, cp) for t in self.targets]
 
     def do(self, a: Action) -> None:
         timeline = current_timeline()
@@ -96,11 +112,25 @@ class StepRun:
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 raise TypeError(f"loss_fn must return a one-element tensor (the micro-batch's mean loss), got "
                                 f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, Tensor) else ''}")
+            if self.cp is not None:  # this rank's tokens' share of the micro-batch's mean
+                loss = self._share(loss, out, i)
             weighted = loss.reshape(()) * self.weights[i]
             self.kept[(i, s)] = Batch(weighted)
             self.loss = weighted.detach() if self.loss is None else self.loss + weighted.detach()
         else:
             self.outputs[i] = out
+
+    def _share(self, loss: Tensor, out: Batch, i: int) -> Tensor:
+        """`loss` (a mean over this rank's counted tokens) as its part of the mean over the whole
+        sequences' tokens; zero, with the graph kept, when this rank holds none of them."""
+        assert self.cp is not None
+        if self.targets:
+            mine, whole = _counted(self.targets[i]), self.counts[i]
+        else:
+            mine, whole = out.tensors[0].size(1), self.cp.layout.length
+        if mine == 0:
+            return sum((t.sum() for t in out.tensors if t.is_floating_point()), loss.new_zeros(())) * 0.0
+        return loss * (mine / whole)
 
     def backward(self, i: int, s: int) -> None:
         pipe, plan, wire, tracker = self.pipe, self.pipe.plan, self.pipe._wire, self.trackers[i]
@@ -130,6 +160,29 @@ class StepRun:
             self._send(plan.gradient[s], i, tuple(t.grad if t.requires_grad else None for t in leaves))
         for key in plan.popped_at[s]:
             self._send(plan.skip_grad[key], i, tracker.popped_grad(key))
+
+
+def _cut(value: Any, cp: CpAttention) -> Any:
+    """This cp rank's tokens of every tensor of `value` whose dim 1 is the sequence."""
+    if isinstance(value, tuple):
+        return tuple(_cut(v, cp) for v in value)
+    if isinstance(value, Tensor) and value.dim() >= 2 and value.size(1) == cp.layout.length:
+        return value.index_select(1, cp.layout.index(cp.cp.rank, value.device))
+    return value
+
+
+def _shift(target: Any) -> Any:
+    """(batch, seq) labels shifted one to the left, the last position ignored (-100)."""
+    if not isinstance(target, Tensor) or target.dim() < 2 or target.is_floating_point():
+        raise ValueError(f"a loss_fn that shifts labels takes (batch, seq) integer labels, got {describe(target)}")
+    pad = torch.full_like(target.narrow(1, 0, 1), _IGNORE)
+    return torch.cat([target.narrow(1, 1, target.size(1) - 1), pad], 1)
+
+
+def _counted(target: Any) -> int:
+    """How many of the target's tokens a mean counts (labels: those not -100)."""
+    t = Batch(target).tensors[0]
+    return t.numel() if t.is_floating_point() else int((t != _IGNORE).sum())
 
 
 def _split(value: BatchValue, m: int, what: str) -> list[Batch]:

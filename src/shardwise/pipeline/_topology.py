@@ -57,19 +57,22 @@ class Topology:
         return row[self.tp_index % len(row)]
 
 
-def uniform_topology(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_dim: Optional[str]) -> Topology:
-    """The topology of a mesh with a pp dim (and optionally dp and tp dims)."""
-    dims = [mesh.mesh_dim_index(d) for d in (pp_dim, dp_dim, tp_dim) if d is not None]
-    grid = mesh.mesh.permute(dims)
-    if dp_dim is None:
-        grid = grid.unsqueeze(1)
-    if tp_dim is None:
-        grid = grid.unsqueeze(2)
+def uniform_topology(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_dim: Optional[str],
+                     cp_dim: Optional[str] = None) -> Topology:
+    """The topology of a mesh with a pp dim (and optionally dp, cp and tp dims). A cp dim is
+    a replica dim as dp is (each cp rank runs the pipeline on its piece of the sequence):
+    the replicas are the (dp, cp) coordinates, row-major."""
+    replicas = [mesh.mesh_dim_index(d) for d in (dp_dim, cp_dim) if d is not None]
+    pp, tp = mesh.mesh_dim_index(pp_dim), (mesh.mesh_dim_index(tp_dim) if tp_dim is not None else None)
+    grid = mesh.mesh.permute([pp, *replicas, *([tp] if tp is not None else [])])
+    grid = grid.reshape(mesh.shape[pp], -1, mesh.shape[tp] if tp is not None else 1)
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "a rank outside the mesh builds no pipe over it"
-    where = [coordinate[d] for d in dims]
-    return Topology(tuple(tuple(tuple(row) for row in g) for g in grid.tolist()), where[0],
-                    where[1] if dp_dim is not None else 0, where[-1] if tp_dim is not None else 0)
+    replica = 0
+    for d in replicas:
+        replica = replica * mesh.shape[d] + coordinate[d]
+    return Topology(tuple(tuple(tuple(row) for row in g) for g in grid.tolist()), coordinate[pp], replica,
+                    coordinate[tp] if tp is not None else 0)
 
 
 def stage_topology(meshes: Sequence[Any], dp_dim: Optional[str], tp_dim: Optional[str]
