@@ -287,6 +287,42 @@ def _bytes(rotate: str) -> None:
         assert got == [("all_to_all", whole[n] // cp * (cp - 1) // cp) for n in "qkvq"], got
 
 
+def _moves(rotate: str) -> None:
+    from collections import Counter
+
+    from shardwise.debug import comm_log
+
+    set_rotate_method(rotate)
+    set_load_balance(True)
+    cp = 4
+    q = torch.randn(2, 8, 64, 16)
+    k, v = torch.randn(2, 4, 64, 16), torch.randn(2, 4, 64, 16)
+    with context_parallel(_cp_mesh(), buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]) as attention:
+        for t in (q, k, v):
+            t.requires_grad_()
+        with comm_log() as forward:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        with comm_log() as backward:
+            out.sum().backward()
+    want = {"allgather": ({"all_gather": 2}, {"reduce_scatter": 2}),
+            "ring": ({"recv": cp - 1, "send": cp - 1}, {"recv": cp, "send": cp}),
+            "alltoall": ({"all_to_all": cp - 1}, {"all_to_all": cp}),
+            "ulysses": ({"all_to_all": 4}, {"all_to_all": 4})}[rotate]
+    assert (Counter(r.op for r in forward), Counter(r.op for r in backward)) == want
+    said = attention.explain()  # names the moves comm_log saw, with their counts
+    forward_text, backward_text = said.split("Moves per attention call: ")[1].split("; backward: ")
+    for text, counts in zip((forward_text, backward_text), want):
+        for op, n in counts.items():
+            name = {"recv": "point-to-point", "send": "point-to-point"}.get(op, op)
+            assert name in text and str(n) in text, (rotate, op, n, text)
+    assert q.shape == (2, 8, 64, 16) and q.grad is not None  # leaves made to require grad are restored whole
+
+
+@pytest.mark.parametrize("rotate", ROTATIONS)
+def test_explain_names_the_moves_each_rotation_issues(rotate: str) -> None:
+    run_distributed(_moves, 4, rotate, timeout=120)
+
+
 @pytest.mark.parametrize("rotate", ROTATIONS)
 def test_kv_bytes_per_rank_in_comm_log_equal_the_bound(rotate: str) -> None:
     run_distributed(_bytes, 4, rotate, timeout=120)

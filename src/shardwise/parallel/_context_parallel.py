@@ -211,6 +211,9 @@ def _whole_positions(position_ids: Optional[torch.Tensor], length: int) -> Optio
 
 
 def _set(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    if buffer.requires_grad:  # a leaf the block made require grad: autograd refuses resize_ on it
+        buffer.data = value.detach().clone()
+        return
     with torch.no_grad():
         buffer.resize_(value.shape)
         buffer.copy_(value)

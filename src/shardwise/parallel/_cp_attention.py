@@ -84,9 +84,21 @@ class CpAttention:
                   "ring": "point-to-point K/V blocks merged by log-sum-exp: chunk pairs by the fused CPU flash "
                           "kernel (causal or full), or blockwise matmuls under a mask",
                   "alltoall": "the ring's blocks moved by all_to_all"}[self.rotate]
-        return (f"context-parallel attention over {self.cp.size} ranks, {self.layout.length} tokens "
+        n = self.cp.size
+        moves = {"allgather": "forward: all_gather of K and of V over cp (2 collectives); backward: reduce_scatter "
+                              "(sum) of their gradients (2)",
+                 "ring": f"forward: {n - 1} hops of the K/V block, send to the next cp rank and receive from the "
+                         f"previous (point-to-point); backward: {n} point-to-point hops of the K/V block with its "
+                         "gradient sums (the last brings the gradients home)",
+                 "alltoall": f"forward: {n - 1} hops of the K/V block, each an all_to_all over cp in which a rank "
+                             f"sends only to the next; backward: {n} all_to_all hops of the K/V block with its "
+                             "gradient sums",
+                 "ulysses": "forward: all_to_all of q, k and v over cp (sequence split -> head split) and of the "
+                            "output back (4 collectives); backward: the inverse all_to_all of each (4)"}[self.rotate]
+        return (f"context-parallel attention over {n} ranks, {self.layout.length} tokens "
                 f"({'head-tail balanced' if self.layout.balanced else 'contiguous'} pieces "
-                f"{list(self.layout.lengths)}), rotation {self.rotate!r}: {kernel}")
+                f"{list(self.layout.lengths)}), rotation {self.rotate!r}: {kernel}. Moves per attention call: "
+                f"{moves}")
 
     # -- rotations ------------------------------------------------------------------------------
 
