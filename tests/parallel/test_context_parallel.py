@@ -342,7 +342,7 @@ def _real_log(rotate: str) -> list[tuple[str, int]]:
     return [(r.op, r.bytes_received) for r in log]
 
 
-@pytest.mark.parametrize("rotate", ["allgather", "alltoall", "ulysses"])
+@pytest.mark.parametrize("rotate", ROTATIONS)
 def test_a_dry_run_reports_the_collectives_context_parallel_issues(rotate: str) -> None:
     from shardwise._mesh_dry import as_device_mesh
     from shardwise.debug import dry_run

@@ -178,18 +178,24 @@ def _check_meshes(args: tuple[Any, ...], kwargs: dict[str, Any], dry: DryMesh) -
                          "AbstractMesh(shape, names), plan)), with its parameters on the meta device")
 
 
-def _to_meta(value: Any) -> Any:
-    """Plain tensors of the arguments as meta tensors (DTensors, modules and optimizers kept)."""
+def _to_meta(value: Any, memo: Optional[dict[int, torch.Tensor]] = None) -> Any:
+    """Plain tensors of the arguments as meta tensors of this simulated rank's own (DTensors,
+    modules and optimizers kept): a rank may change its tensors in place (`context_parallel`
+    cuts its buffers) while another rank, waiting for a message, still holds them whole. A
+    tensor passed twice is one tensor."""
+    memo = {} if memo is None else memo
     if isinstance(value, torch.Tensor):
-        if type(value) in DTENSOR_CLASSES or value.is_meta:
+        if type(value) in DTENSOR_CLASSES:
             return value
-        return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
+        if id(value) not in memo:
+            memo[id(value)] = torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
+        return memo[id(value)]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_to_meta(v) for v in value)
+        return tuple(_to_meta(v, memo) for v in value)
     if isinstance(value, list):
-        return [_to_meta(v) for v in value]
+        return [_to_meta(v, memo) for v in value]
     if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
+        return {k: _to_meta(v, memo) for k, v in value.items()}
     return value
 
 
@@ -230,7 +236,8 @@ def _one_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
               rank: int) -> RankReport:
     modules = [m for m in found if isinstance(m, nn.Module)]
     optimizers = [o for o in found if isinstance(o, torch.optim.Optimizer)]
-    args, kwargs = _to_meta(args), _to_meta(kwargs)
+    memo: dict[int, torch.Tensor] = {}
+    args, kwargs = _to_meta(args, memo), _to_meta(kwargs, memo)
     with simulating(rank):
         _relocalize(found)
         counter = _Recorder(modules[0] if len(modules) == 1 else None)
