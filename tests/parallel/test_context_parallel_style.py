@@ -225,3 +225,31 @@ def _checkpointed(reentrant: bool) -> None:
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_gradient_checkpointing_recomputes_context_parallel(reentrant: bool) -> None:
     run_distributed(_checkpointed, 4, reentrant, timeout=300)
+
+
+def test_a_dry_run_of_the_style_reports_activations_split_by_cp() -> None:
+    """A dry run (meta tensors, one process) of the style's train step on an abstract cp mesh:
+    each rank's activation peak falls with cp (the fused kernel's chunk pairs: no (queries x
+    keys) matrix), and the collectives are the rotation's and the gradient sums'."""
+    transformers = pytest.importorskip("transformers")
+    from shardwise._mesh_dry import as_device_mesh
+    from shardwise.debug import dry_run
+
+    set_rotate_method("allgather")
+    set_load_balance(True)
+    config = dict(LLAMA, hidden_size=64, intermediate_size=128)
+
+    def step(model: Any, ids: torch.Tensor) -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    peaks, kinds = {}, {}
+    for cp in (1, 4):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+        mesh = sw.AbstractMesh((cp,), ("cp",))
+        parallelize_module(model, as_device_mesh(mesh), ContextParallel())
+        report = dry_run(step, model, torch.zeros(1, 2048, dtype=torch.long), mesh=mesh, ranks=range(cp))
+        peaks[cp] = max(report.rank(r).memory.peaks["activations"] for r in range(cp))
+        kinds[cp] = {c.kind for c in report.rank(0).collectives}
+    assert peaks[4] <= 0.35 * peaks[1], peaks
+    assert {"all_gather", "reduce_scatter", "all_reduce"} <= kinds[4], kinds

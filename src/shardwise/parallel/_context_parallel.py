@@ -239,11 +239,12 @@ def context_parallel(mesh: DeviceMesh, *, buffers: Optional[Sequence[torch.Tenso
 
 @contextlib.contextmanager
 def split_sequence(cp: CpGroup, buffers: list[torch.Tensor], dims: list[int], keep: set[int],
-                   position_ids: Optional[torch.Tensor], problem: Optional[Exception] = None
-                   ) -> Iterator[CpAttention]:
+                   position_ids: Optional[torch.Tensor], problem: Optional[Exception] = None,
+                   one_document: bool = False) -> Iterator[CpAttention]:
     """`context_parallel`'s body on the cp group: agree, cut `buffers` in place, run
     attention context-parallel, restore the buffers not in `keep` (ids). `problem`: an error
-    the caller found in its own input, raised on this rank after the ranks agreed."""
+    the caller found in its own input, raised on this rank after the ranks agreed;
+    `one_document`: the position ids were made 0..S-1 (no documents to look for)."""
     length, layout, positions = 0, None, None
     try:
         if problem is not None:
@@ -275,7 +276,7 @@ def split_sequence(cp: CpGroup, buffers: list[torch.Tensor], dims: list[int], ke
     saved = [b.clone() if id(b) not in keep else None for b in buffers]
     for b, d in zip(buffers, dims):
         _set(b, b.index_select(d, layout.index(cp.rank, b.device)))
-    attention = CpAttention(layout, cp, _OPTIONS.rotate, positions)
+    attention = CpAttention(layout, cp, _OPTIONS.rotate, positions, one_document)
     try:
         with Attention(attention), _recomputation_seen():
             yield attention

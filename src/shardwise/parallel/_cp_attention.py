@@ -50,6 +50,7 @@ class CpAttention:
     cp: CpGroup
     rotate: str = "allgather"
     position_ids: Optional[torch.Tensor] = None
+    one_document: bool = False  # the position ids are 0..S-1 in every sample (made, not read)
 
     def __call__(self, sdpa: Sdpa, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -72,8 +73,16 @@ class CpAttention:
 
     @cached_property
     def documents(self) -> Optional[torch.Tensor]:
-        """(batch, S) document index of each token, from the position ids (None without them)."""
-        return documents_of(self.position_ids) if self.position_ids is not None else None
+        """(batch, S) document index of each token, from the position ids; None without them or
+        when every sample is one document (then causal or full attention keeps the fused kernel).
+        Meta position ids (a dry run) hold no values: there documents are assumed unless the
+        ids were made as 0..S-1."""
+        if self.position_ids is None or self.one_document:
+            return None
+        documents = documents_of(self.position_ids)
+        if documents.is_meta:
+            return documents
+        return documents if bool(documents.any()) else None
 
     def explain(self) -> str:
         kernel = {"allgather": "causal or full: each visible pair of chunks by torch's fused CPU flash kernel, "

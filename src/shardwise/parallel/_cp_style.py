@@ -13,7 +13,7 @@ The style wraps the module's forward. Each call:
 2. gives the model the global `position_ids` of those tokens when it takes them and the
    caller passed none, so rotary tables are indexed by global position (given ones are
    split, and documents packed in a sample are kept apart, as `context_parallel`'s
-   `position_ids=` does); a Hugging Face model also gets `use_cache=False` unless told;
+   `position_ids=` does);
 3. runs the forward with every `F.scaled_dot_product_attention` context-parallel;
 4. for a Hugging Face model given `labels` (one with a `loss_function`): the labels are
    shifted once over the whole sequence (`shift_labels`) and counted (`num_items_in_batch`,
@@ -125,6 +125,7 @@ class _Runner:
         self.handles: list[Any] = []
         self.scale = 1.0
         self.length = 0  # this call's sequence length (set by _prepare)
+        self.made_positions = False  # this call's position ids were made 0..S-1 here
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(*args, **kwargs)
@@ -148,7 +149,7 @@ class _Runner:
                                  "inputs, or set seq_dim")
         buffers = list(tensors.values())
         with split_sequence(self.cp, buffers, [self.seq_dim] * len(buffers), {id(b) for b in buffers}, positions,
-                            problem) as attention, _checkpoints_under(self.module_ref, attention):
+                            problem, self.made_positions) as attention, _checkpoints_under(self.module_ref, attention):
             if self.var_kw:
                 named[self.var_kw] = extra
             call = inspect.BoundArguments(self.signature, named)  # type: ignore[arg-type,unused-ignore]
@@ -186,12 +187,11 @@ class _Runner:
                                  "(position_ids restarting at each) or drop the padding")
         accepts = set(self.signature.parameters) | ({"*"} if self.var_kw else set())
         given = both.get("position_ids")
-        if given is None and "position_ids" in accepts:
+        self.made_positions = given is None and "position_ids" in accepts
+        if self.made_positions:
             batch = first.size(0) if self.seq_dim > 0 else 1
             given = torch.arange(self.length, device=first.device).expand(batch, self.length).clone()
             named["position_ids"] = given
-        if self.hf and "use_cache" in accepts and both.get("use_cache") is None:
-            named["use_cache"] = False
         labels = both.get("labels")
         whole_loss = self.hf and isinstance(labels, torch.Tensor) and self.var_kw is not None
         if whole_loss:
