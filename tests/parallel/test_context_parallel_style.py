@@ -253,3 +253,34 @@ def test_a_dry_run_of_the_style_reports_activations_split_by_cp() -> None:
         kinds[cp] = {c.kind for c in report.rank(0).collectives}
     assert peaks[4] <= 0.35 * peaks[1], peaks
     assert {"all_gather", "reduce_scatter", "all_reduce"} <= kinds[4], kinds
+
+
+def _sliding(which: str, rotate: str) -> None:
+    """Sliding-window layers (Mistral's window in its config; Qwen2's full then sliding layers,
+    the window on each attention module): the window applies by global position."""
+    transformers = pytest.importorskip("transformers")
+    from .test_hf_models import SMALL
+
+    set_rotate_method(rotate)
+    set_load_balance(True)
+    torch.manual_seed(0)
+    if which == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=4)).double()
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **SMALL, use_sliding_window=True, sliding_window=3, max_window_layers=1)).double()
+    reference = copy.deepcopy(model)
+    ids = _ids(2, 30)
+    want = reference(input_ids=ids, labels=ids)
+    want.loss.backward()
+    parallelize_module(model, sw.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",)), ContextParallel())
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert abs(out.loss.item() - want.loss.item()) <= _loss_bound(want.loss)
+    _check_grads(model, reference)
+
+
+@pytest.mark.parametrize("which, rotate", [("mistral", "allgather"), ("mistral", "ring"), ("mistral", "ulysses"),
+                                           ("qwen2", "alltoall")])
+def test_sliding_window_layers_under_the_style_equal_one_process(which: str, rotate: str) -> None:
+    run_distributed(_sliding, 4, which, rotate, timeout=300)

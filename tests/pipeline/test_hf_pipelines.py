@@ -220,13 +220,15 @@ def _llama_over_tensor_parallel_stages(mesh: Any) -> None:
 @distributed(world_size=4)
 def test_an_unchanged_hf_model_trains_as_a_context_parallel_pipeline(rotate: str) -> None:
     """(pp, cp) = (2, 2): every cp rank passes the whole sequences; each runs both stages' layers
-    on its piece (9 tokens: pieces of 4 and 5) with attention over the whole sequence, and the
-    loss and the parameters after 5 AdamW steps are one process's."""
+    on its piece (9 tokens: pieces of 4 and 5) with attention over the whole sequence (sliding
+    windows by global position), and the loss and the parameters after 5 AdamW steps are one
+    process's."""
     from shardwise.experimental import set_load_balance, set_rotate_method
 
     set_rotate_method(rotate)
     set_load_balance(True)
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
-    for which in ("llama (sdpa, GQA)", "gpt2 (tied embeddings)"):
+    for which in ("llama (sdpa, GQA)", "gpt2 (tied embeddings)", "mistral (sliding window 4)",
+                  "qwen2 (full, then sliding layers)"):
         loss, param = _train(which, torch.float64, mesh)
         assert loss <= 1e-6 and param <= 1e-10, (which, loss, param)

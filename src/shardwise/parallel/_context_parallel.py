@@ -49,6 +49,7 @@ from .._tensor import DTensor
 from ._cp_attention import ROTATIONS, CpAttention
 from ._cp_comm import CpGroup, gather_pieces
 from ._cp_layout import SequenceLayout
+from ._cp_mask import WINDOWS as _WINDOWS
 
 __all__ = ["context_parallel", "context_parallel_unshard", "set_load_balance", "set_rotate_method"]
 
@@ -141,8 +142,32 @@ def recomputed_under(attention: CpAttention, fn: Callable[..., Any]) -> Callable
     return run
 
 
+def _window_of(module: torch.nn.Module) -> tuple[bool, Optional[int]]:
+    """(whether `module` is an attention layer, its sliding window): transformers' attention
+    modules carry `is_causal`; Qwen2's and Gemma's a `sliding_window` of their own (None on
+    full layers), Mistral's only in its config."""
+    if not hasattr(module, "is_causal"):
+        return False, None
+    window = module.sliding_window if hasattr(module, "sliding_window") else getattr(
+        getattr(module, "config", None), "sliding_window", None)
+    return True, window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+
+
+def _enter_layer(module: torch.nn.Module, _args: Any) -> None:
+    if _ACTIVE.get() is not None:
+        is_attention, window = _window_of(module)
+        if is_attention:
+            _WINDOWS.set(_WINDOWS.get() + (window,))
+
+
+def _leave_layer(module: torch.nn.Module, _args: Any, _out: Any) -> None:
+    if _ACTIVE.get() is not None and _WINDOWS.get() and _window_of(module)[0]:
+        _WINDOWS.set(_WINDOWS.get()[:-1])
+
+
 _SDPA = F.scaled_dot_product_attention  # torch's own, whatever torch.nn.functional holds later
 _HOLDERS = [0]  # open blocks that need `_sdpa_or_recompute` in torch.nn.functional
+_HOOKS: list[Any] = []  # the global module hooks that follow sliding windows, while a block is open
 
 
 def _sdpa_or_recompute(*args: Any, **kwargs: Any) -> Any:
@@ -157,19 +182,24 @@ def _sdpa_or_recompute(*args: Any, **kwargs: Any) -> Any:
     return _SDPA(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def _recomputation_seen() -> Iterator[None]:
-    """`_sdpa_or_recompute` in torch.nn.functional while at least one block is open (the name
-    a model looks up at call time, as transformers' sdpa attention does)."""
+def _hold() -> None:
+    """While at least one context-parallel attention is on: `_sdpa_or_recompute` in
+    torch.nn.functional (the name a model looks up at call time, as transformers' sdpa
+    attention does), and hooks on every module's forward that note the sliding window of the
+    attention layer running."""
     if _HOLDERS[0] == 0:
         F.scaled_dot_product_attention = _sdpa_or_recompute
+        _HOOKS.append(torch.nn.modules.module.register_module_forward_pre_hook(_enter_layer))
+        _HOOKS.append(torch.nn.modules.module.register_module_forward_hook(_leave_layer, always_call=True))
     _HOLDERS[0] += 1
-    try:
-        yield
-    finally:
-        _HOLDERS[0] -= 1
-        if _HOLDERS[0] == 0:
-            F.scaled_dot_product_attention = _SDPA
+
+
+def _release() -> None:
+    _HOLDERS[0] -= 1
+    if _HOLDERS[0] == 0:
+        F.scaled_dot_product_attention = _SDPA
+        while _HOOKS:
+            _HOOKS.pop().remove()
 
 
 class Attention(TorchFunctionMode):
@@ -182,11 +212,13 @@ class Attention(TorchFunctionMode):
 
     def __enter__(self) -> Attention:
         self.tokens.append(_ACTIVE.set(self.attention))
+        _hold()
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
+        _release()
         _ACTIVE.reset(self.tokens.pop())
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
@@ -278,7 +310,7 @@ def split_sequence(cp: CpGroup, buffers: list[torch.Tensor], dims: list[int], ke
         _set(b, b.index_select(d, layout.index(cp.rank, b.device)))
     attention = CpAttention(layout, cp, _OPTIONS.rotate, positions, one_document)
     try:
-        with Attention(attention), _recomputation_seen():
+        with Attention(attention):
             yield attention
     except BaseException:
         for b, whole in zip(buffers, saved):

@@ -31,7 +31,7 @@ from .._comm import all_gather_ints
 from ._cp_comm import CpGroup, all_to_all_heads, gather_pieces, gather_sequence
 from ._cp_flash import chunk_pairs, flash_attention, flash_available
 from ._cp_layout import SequenceLayout
-from ._cp_mask import Masking, documents_of, model_mask_kind
+from ._cp_mask import Masking, current_window, documents_of, model_mask_kind
 from ._cp_ring import ring_attention
 
 __all__ = ["CpAttention", "ROTATIONS"]
@@ -62,7 +62,8 @@ class CpAttention:
             masking = self._masking(query, key, value, attn_mask, dropout_p, is_causal)
         if self.rotate == "ulysses":
             return self._ulysses(sdpa, query, key, value, masking, scale, enable_gqa)
-        plain = masking.documents is None and masking.explicit is None and flash_available(query)
+        plain = (masking.documents is None and masking.explicit is None and masking.window is None
+                 and flash_available(query))
         if self.rotate in ("ring", "alltoall"):
             mine = self.layout.index(self.cp.rank, query.device)
             me, causal = self.cp.rank, masking.causal
@@ -141,7 +142,8 @@ class CpAttention:
             rows = gather_pieces(masking.explicit, masking.explicit.dim() - 2, pieces, self.cp)
             masking = Masking(masking.causal, masking.documents, rows)
         order = self.layout.gathered_index(q.device)
-        if masking.documents is None and masking.explicit is None:  # in sequence order SDPA's own causal flag serves
+        if masking.documents is None and masking.explicit is None and masking.window is None:
+            # in sequence order SDPA's own causal flag serves
             back = torch.argsort(order)  # gathered slot of each position
             out = sdpa(q_h.index_select(seq, back), k_h.index_select(seq, back), v_h.index_select(seq, back),
                        is_causal=masking.causal, scale=scale, enable_gqa=enable_gqa).index_select(seq, order)
@@ -207,10 +209,10 @@ class CpAttention:
             if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.size(-3) != 1:
                 problems.append(f"an attn_mask with {attn_mask.size(-3)} heads under the ulysses rotation, which "
                                 "splits the heads: give one mask for all heads (size 1 in the heads dim)")
-        documents = self.documents
-        masking = Masking(is_causal, documents)
+        documents, window = self.documents, current_window()
+        masking = Masking(is_causal, documents, window=window)
         if attn_mask is not None and not problems:
-            masking, problem = self._explicit(attn_mask, is_causal, documents, mine)
+            masking, problem = self._explicit(attn_mask, is_causal, documents, mine, window)
             if problem:
                 problems.append(problem)
         if problems:
@@ -218,11 +220,11 @@ class CpAttention:
                              "\n".join(f"  - {p}" for p in problems))
         return masking
 
-    def _explicit(self, attn_mask: torch.Tensor, is_causal: bool, documents: Optional[torch.Tensor], mine: int
-                  ) -> tuple[Masking, str]:
+    def _explicit(self, attn_mask: torch.Tensor, is_causal: bool, documents: Optional[torch.Tensor], mine: int,
+                  window: Optional[int]) -> tuple[Masking, str]:
         shape, length = tuple(attn_mask.shape), self.layout.length
         if len(shape) >= 2 and shape[-2:] == (mine, length):  # the caller's rows over every key: taken as they are
-            return Masking(is_causal, documents, attn_mask), ""
+            return Masking(is_causal, documents, attn_mask, window), ""
         if len(shape) >= 2 and shape[-2:] == (mine, mine):  # the model's own mask of this rank's tokens
             if self.position_ids is None:
                 return Masking(is_causal), (
@@ -230,13 +232,13 @@ class CpAttention:
                     "position_ids when it has no cache): pass the same position ids to "
                     "context_parallel(..., position_ids=...) so the mask is rebuilt by global position")
             local = self.position_ids[:, self.layout.index(self.cp.rank, self.position_ids.device)]
-            causal = model_mask_kind(attn_mask, local)
+            causal = model_mask_kind(attn_mask, local, window)
             if causal is None:
                 return Masking(is_causal), (
                     f"an attn_mask of shape {shape} over this rank's tokens that is not what the position ids imply "
                     "(causal within each document): a padding mask or other rule cannot be read from one rank's "
                     f"tokens; give a mask over the whole sequence's keys, of shape (..., {mine}, {length})")
-            return Masking(causal, documents), ""
+            return Masking(causal, documents, window=window), ""
         return Masking(is_causal), (
             f"an attn_mask of shape {shape}: under context_parallel a mask gives this rank's {mine} queries' rows "
             f"over all {length} keys in sequence order, shape (..., {mine}, {length}) (a mask over the whole "

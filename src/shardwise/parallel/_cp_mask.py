@@ -7,6 +7,8 @@ global position (`SequenceLayout` gives the positions of any rank's tokens):
 - documents: several documents packed in one sample (position ids restarting, as
   transformers detects them: a new document wherever a position is not the previous one
   plus 1): only keys of the query's own document;
+- a sliding window of W (Mistral, Qwen2's and Gemma's sliding layers): the key's position
+  is less than W before the query's;
 - an explicit mask given by the caller over the whole sequence's keys: rows of this
   rank's queries, columns in sequence order (boolean, or additive floats).
 
@@ -16,18 +18,30 @@ shaped to broadcast against (batch, heads, queries, keys).
 A model that builds its own mask from the position ids it was given (transformers does,
 when it sees no padding mask and no cache) builds it from this rank's tokens only: a mask
 of (local queries x local keys) in which a head-tail piece looks like two documents. Such
-a mask is recognised (it equals what the position ids imply locally, causal or not) and
-replaced by the global rule; any other local mask is refused.
+a mask is recognised (it equals what the position ids imply locally, causal or not, with the
+layer's sliding window by local index or by position) and replaced by the global rule; any
+other local mask is refused.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["Masking", "documents_of", "model_mask_kind"]
+__all__ = ["WINDOWS", "Masking", "current_window", "documents_of", "model_mask_kind"]
+
+# the sliding windows of the attention layers running now, innermost last (set by module hooks
+# while context-parallel attention is on, `_context_parallel`)
+WINDOWS: ContextVar[tuple[Optional[int], ...]] = ContextVar("shardwise_cp_windows", default=())
+
+
+def current_window() -> Optional[int]:
+    """The sliding window of the attention layer running now (None: the whole causal past)."""
+    stack = WINDOWS.get()
+    return stack[-1] if stack else None
 
 
 def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
@@ -46,10 +60,11 @@ class Masking:
     causal: bool
     documents: Optional[torch.Tensor] = None
     explicit: Optional[torch.Tensor] = None
+    window: Optional[int] = None  # keys less than `window` positions before the query (a sliding layer)
 
     @property
     def anything(self) -> bool:
-        return self.causal or self.documents is not None or self.explicit is not None
+        return self.causal or self.documents is not None or self.explicit is not None or self.window is not None
 
     def mask(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> Optional[torch.Tensor]:
         """The mask of queries at global `q_positions` (the rows of `explicit`, in order)
@@ -57,6 +72,9 @@ class Masking:
         allowed: Optional[torch.Tensor] = None
         if self.causal:
             allowed = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)  # (sq, sk)
+        if self.window is not None:
+            near = q_positions.unsqueeze(1) - k_positions.unsqueeze(0) < self.window
+            allowed = near if allowed is None else allowed & near
         if self.documents is not None:
             docs = self.documents.to(q_positions.device)
             same = (docs[:, q_positions].unsqueeze(-1) == docs[:, k_positions].unsqueeze(-2)).unsqueeze(1)
@@ -71,10 +89,12 @@ class Masking:
         return given.masked_fill(~allowed, float("-inf"))
 
 
-def model_mask_kind(mask: torch.Tensor, local_positions: torch.Tensor) -> Optional[bool]:
+def model_mask_kind(mask: torch.Tensor, local_positions: torch.Tensor, window: Optional[int] = None
+                    ) -> Optional[bool]:
     """Whether `mask` ((batch or 1, heads or 1, s, s) over this rank's tokens) is the mask a
-    model builds from the local position ids: True for causal, False for bidirectional,
-    None for neither (a mask that says something else)."""
+    model builds from the local position ids (with the layer's sliding `window`, counted by
+    local index or by position): True for causal, False for bidirectional, None for neither
+    (a mask that says something else)."""
     s = local_positions.size(-1)
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (s, s):
         return None
@@ -82,7 +102,14 @@ def model_mask_kind(mask: torch.Tensor, local_positions: torch.Tensor) -> Option
     segments = documents_of(local_positions)
     same = (segments.unsqueeze(-1) == segments.unsqueeze(-2)).unsqueeze(1)  # (b, 1, s, s)
     lower = torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
-    for causal, want in ((True, same & lower), (False, same)):
+    # from the position ids (a model without a cache reads documents from them), or by local
+    # index (a model with a cache counts this rank's tokens 0..s-1, one document)
+    wants = [(True, same & lower), (False, same), (True, lower)]
+    if window is not None:
+        index = torch.arange(s, device=mask.device)
+        by_position = (local_positions.unsqueeze(-1) - local_positions.unsqueeze(-2) < window).unsqueeze(1)
+        wants += [(True, same & lower & by_position.to(mask.device)), (True, lower & (index.unsqueeze(-1) - index < window))]
+    for causal, want in wants:
         try:
             a, w = torch.broadcast_tensors(allowed, want)  # type: ignore[no-untyped-call]
         except RuntimeError:  # shapes that do not broadcast: not the model's mask

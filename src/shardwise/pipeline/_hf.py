@@ -155,17 +155,16 @@ def _positions(hidden: Tensor) -> Tensor:
 
 
 def _causal_mask(make: Callable[..., Any], config: Any, hidden: Tensor, padding: Optional[Tensor],
-                 positions: Tensor, sliding: bool = False) -> Any:
-    """The mask the model's forward would make; under context parallelism none (plain causal
-    attention, which context-parallel attention applies by global position)."""
+                 positions: Tensor) -> Any:
+    """The mask the model's forward would make; under context parallelism none: causal
+    attention, which context-parallel attention applies by global position (with the layer's
+    sliding window, which it reads from the attention module)."""
     if current_cp_attention() is None:
         return make(config=config, inputs_embeds=hidden, attention_mask=padding, past_key_values=None,
                     position_ids=positions)
-    if padding is not None or sliding:
-        raise ValueError("a context-parallel pipeline runs plain causal attention over whole sequences: "
-                         + ("an attention_mask (padding) cannot be split with the sequence; pack documents "
-                            "without padding" if padding is not None else
-                            "a sliding-window layer is not supported yet under cp_dim"))
+    if padding is not None:
+        raise ValueError("a context-parallel pipeline runs causal attention over whole sequences: an "
+                         "attention_mask (padding) cannot be split with the sequence; pack documents without padding")
     return None
 
 
@@ -201,7 +200,7 @@ class _DecoderLayer(nn.Module):
         positions = _positions(hidden)
         masks = _masks()
         make = masks.create_sliding_window_causal_mask if self.sliding else masks.create_causal_mask
-        mask = _causal_mask(make, self.config, hidden, padding, positions, self.sliding)
+        mask = _causal_mask(make, self.config, hidden, padding, positions)
         out = self.layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=None, use_cache=False,
                          position_embeddings=self.rotary_emb(hidden, position_ids=positions))
         return _join(out[0] if isinstance(out, tuple) else out, padding, value)
