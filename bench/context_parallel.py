@@ -3,7 +3,8 @@
 One process runs forward and backward of the whole sequence (transformers' sdpa attention:
 torch's CPU flash kernel, causal); then 4 gloo ranks run the same step under
 `shardwise.experimental.context_parallel` (head-tail pieces), with the K/V all-gather
-rotation, the ring and Ulysses. Per length: the peak bytes the step allocates on the rank
+rotation, the ring and Ulysses, and through the `ContextParallel()` plan style (the
+one-process program unchanged, the model's own loss). Per length: the peak bytes the step allocates on the rank
 that allocates most (torch's allocator, net, through the profiler, on top of the model),
 the slowest rank's seconds, and the loss check: the cp ranks' token-weighted losses add up
 to one process's. torch's own `context_parallel` is tried at the smallest length; on CPU it
@@ -102,6 +103,34 @@ def body(settings: Settings, seq: int, rotate: str) -> dict[str, Any]:
     return {"seconds": seconds, "peak": peak, "loss": total.item()}
 
 
+def style(settings: Settings, seq: int) -> dict[str, Any]:
+    """The same step through `ContextParallel()` (allgather): the one-process program unchanged,
+    the model's own loss, the gradients summed over cp by the style."""
+    import torch.distributed as dist
+
+    import shardwise as sw
+    from shardwise.experimental import set_load_balance, set_rotate_method
+    from shardwise.parallel import ContextParallel, parallelize_module
+
+    set_rotate_method("allgather")
+    set_load_balance(True)
+    model = _model()
+    parallelize_module(model, sw.init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",)), ContextParallel())
+    ids = _batch(seq)[0]
+    losses: list[torch.Tensor] = []
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+
+    with quiet():
+        dist.barrier()
+        seconds, peak = _timed(step, 1 if seq > 8192 else min(settings.repeats, 3))
+    return {"seconds": seconds, "peak": peak, "loss": losses[-1].item()}
+
+
 def _failed(exc: BaseException) -> str:
     return "failed: " + str(exc).splitlines()[0][:120]
 
@@ -141,17 +170,18 @@ def run(settings: Settings) -> list[Table]:
             continue
         table.rows.append({"seq": seq, "who": "1 process", "peak": single["peak"], "peak_mib": single["peak"] / 2**20,
                            "peak_vs_one": 1.0, "s": min(single["seconds"]), "time_vs_one": 1.0, "check": "-"})
-        for rotate in ROTATIONS:
+        for rotate in (*ROTATIONS, "style"):
+            who = f"shardwise cp={CP} " + (rotate if rotate != "style" else "ContextParallel() allgather")
             try:
-                per_rank = run_distributed(body, CP, settings, seq, rotate, timeout=settings.timeout)
+                per_rank = (run_distributed(style, CP, settings, seq, timeout=settings.timeout) if rotate == "style"
+                            else run_distributed(body, CP, settings, seq, rotate, timeout=settings.timeout))
             except Exception as exc:  # noqa: BLE001 - reported in the row
-                table.rows.append({"seq": seq, "who": f"shardwise cp={CP} {rotate}", "peak": None,
-                                   "check": _failed(exc)})
+                table.rows.append({"seq": seq, "who": who, "peak": None, "check": _failed(exc)})
                 continue
             peak = max(r["peak"] for r in per_rank)
             seconds = min(max(r["seconds"][i] for r in per_rank) for i in range(len(per_rank[0]["seconds"])))
             close = abs(per_rank[0]["loss"] - single["loss"]) <= 1e-4 * max(1.0, abs(single["loss"]))
-            table.rows.append({"seq": seq, "who": f"shardwise cp={CP} {rotate}", "peak": peak,
+            table.rows.append({"seq": seq, "who": who, "peak": peak,
                                "peak_mib": peak / 2**20, "peak_vs_one": ratio(peak, single["peak"]), "s": seconds,
                                "time_vs_one": ratio(seconds, min(single["seconds"])),
                                "check": "ok" if close else "WRONG"})

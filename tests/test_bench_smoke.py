@@ -178,5 +178,6 @@ def test_the_context_parallel_rows_check_every_rotation(quick_run: Any) -> None:
     table = quick_run[1]["benchmarks"]["context_parallel"]
     rows = [r for r in table["rows"] if r["who"].startswith("shardwise")]
     assert {r["who"].split()[-1] for r in rows} == {"allgather", "ulysses", "ring"}
+    assert any("ContextParallel()" in r["who"] for r in rows)  # the plan style: the one-process program unchanged
     assert rows and all(r["check"] == "ok" and r["peak_vs_one"] is not None for r in rows)
     assert any(r["who"] == "torch context_parallel" for r in table["rows"])

@@ -22,7 +22,8 @@ The style wraps the module's forward. Each call:
    gradient stays this rank's share.
 
 The cp ranks hold the same parameters, and each computes the gradient of its own tokens'
-share: the style sums them over cp, each gradient as it arrives in backward. Parameters
+share: the style sums them over cp at the end of each backward pass (one all_reduce per
+bucket; gradients accumulated over several passes are summed once each). Parameters
 of `fully_shard` units whose ranks include the cp ranks are reduced by `fully_shard`
 instead (the HSDP / torchtitan `dp_shard_cp` layout): there the loss's gradient is
 scaled by cp, so `fully_shard`'s mean over dp x cp ranks is one process's gradient,
@@ -61,6 +62,7 @@ from ._style import ParallelStyle
 __all__ = ["ContextParallel"]
 
 _IGNORE = -100  # transformers' ignore index
+_BUCKET_BYTES = 25 * 2**20  # gradients summed per all_reduce at the end of backward
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +126,7 @@ class _Runner:
         self.hooked: tuple[int, ...] = ()
         self.handles: list[Any] = []
         self.scale = 1.0
+        self.sums = _GradientSums(cp, 1.0)
         self.length = 0  # this call's sequence length (set by _prepare)
         self.made_positions = False  # this call's position ids were made 0..S-1 here
 
@@ -229,6 +232,7 @@ class _Runner:
     def _hook_gradients(self) -> None:
         """Hook the gradient sum over cp on the parameters no `fully_shard` unit over the cp ranks
         reduces (again when the module's parameters were replaced since the last call)."""
+        self.sums.recover()
         slots = [(m, n) for m in self.module_ref.modules() for n, p in m._parameters.items()
                  if p is not None and p.requires_grad]
         key = tuple(id(m._parameters[n]) for m, n in slots)
@@ -239,15 +243,85 @@ class _Runner:
         self.handles, self.hooked = [], key
         covered = _covered_by_fsdp(self.module_ref, self.cp)
         self.scale = float(self.cp.size) if covered else 1.0
-        seen: set[int] = set()
+        self.sums = _GradientSums(self.cp, self.scale)
         for m, n in slots:
             p = m._parameters[n]
             assert p is not None
-            if (id(m), n) in covered or id(p) in seen:
+            if (id(m), n) in covered or id(p) in self.sums.order:
                 continue
-            seen.add(id(p))
+            self.sums.order[id(p)] = len(self.sums.order)
             self.handles.append(p.register_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_sum_over_cp, self.cp, self.scale)))
+                functools.partial(self.sums.arrived, p)))
+
+
+class _GradientSums:
+    """Sums over cp, once at the end of each backward pass, the gradients the parameters got in
+    it: one all_reduce per bucket. A parameter's first gradient of a pass puts its `.grad` from
+    earlier passes aside (gradient accumulation), so only this pass's share is summed; the
+    sum is then added back to it."""
+
+    def __init__(self, cp: CpGroup, scale: float) -> None:
+        self.cp, self.scale = cp, scale
+        self.order: dict[int, int] = {}  # id(param) -> its place (the same on every cp rank)
+        self.touched: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}  # id -> (param, earlier .grad)
+        self.queued = False
+
+    def arrived(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        if id(param) not in self.touched:
+            self.touched[id(param)] = (param, param.grad)
+            param.grad = None
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        return grad
+
+    def finish(self) -> None:
+        self.queued = False
+        items = sorted(self.touched.values(), key=lambda item: self.order[id(item[0])])
+        self.touched = {}
+        with torch.no_grad():
+            held = [(p, earlier) for p, earlier in items if p.grad is not None]
+            for group in _groups([_local(p.grad) for p, _ in held], _BUCKET_BYTES):
+                # one bucket alive at a time: the sums land in the gradients before the next is packed
+                summed = comm.all_reduce_coalesced(group, self.cp.group, self.cp.size, "sum",
+                                                   bucket_bytes=_BUCKET_BYTES, mesh_dims=(self.cp.mesh_dim,))
+                for piece, total in zip(group, summed):
+                    assert total is not None
+                    piece.copy_(total / self.scale if self.scale != 1 else total)
+                del summed
+            for p, earlier in held:
+                if earlier is not None:
+                    _local(earlier).add_(_local(p.grad))  # (one layout: the pieces add as the wholes do)
+                    p.grad = earlier
+            for p, earlier in items:
+                if p.grad is None and earlier is not None:
+                    p.grad = earlier
+
+    def recover(self) -> None:
+        """After a backward that failed before its end: the gradients put aside go back."""
+        for p, earlier in self.touched.values():
+            if earlier is not None:
+                p.grad = earlier
+        self.touched, self.queued = {}, False
+
+
+def _groups(pieces: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """`pieces` in order, cut into runs of at most `limit` bytes (a larger piece alone)."""
+    groups: list[list[torch.Tensor]] = []
+    size = limit
+    for piece in pieces:
+        nbytes = piece.numel() * piece.element_size()
+        if size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(piece)
+        size += nbytes
+    return groups
+
+
+def _local(t: Optional[torch.Tensor]) -> torch.Tensor:
+    assert t is not None
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @contextlib.contextmanager
@@ -287,17 +361,3 @@ def _covered_by_fsdp(module: nn.Module, cp: CpGroup) -> set[tuple[int, str]]:
         for up in unit.params:
             covered.update((id(owner), attr) for owner, attr in up.owners)
     return covered
-
-
-def _sum_over_cp(cp: CpGroup, scale: float, grad: torch.Tensor) -> torch.Tensor:
-    """One gradient contribution summed over the cp ranks (each computed its own tokens')."""
-    local = grad.to_local() if isinstance(grad, DTensor) else grad
-    record = comm.AllReduce(group=cp.group, size=cp.size, shape=tuple(local.shape), dtype=local.dtype, op="sum",
-                            mesh_dims=(cp.mesh_dim,))
-    summed = comm.run(record, local)
-    if scale != 1:
-        summed = summed / scale
-    if isinstance(grad, DTensor):
-        return DTensor.from_local(summed, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride())
-    return summed
-
