@@ -41,6 +41,8 @@ def simulated_rank() -> int:
 # emptied whenever the simulated rank changes (their modules append their `clear`s here)
 PER_RANK_CACHES: list[Any] = []
 _CACHED_FOR = [0]
+# every cache of layouts and plans, by name -> its entries now (`shardwise.debug.cache_info()`)
+CACHE_SIZES: dict[str, Any] = {}
 
 
 def _caches_for(rank: int) -> None:

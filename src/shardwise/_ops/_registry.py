@@ -86,6 +86,15 @@ class OpRule:
     plain_as_replicated: bool = False
     mode: Optional[str] = None
     where: str = ""
+    # its float arguments (an lr, a bias correction, an eps) never change a plan: plans are
+    # cached by their type, not their value (elementwise ops always; foreach and fused
+    # optimizer steps by registration), so a value that changes every step makes no new plan
+    scalars_free: bool = False
+
+    @property
+    def floats_by_type(self) -> bool:
+        """Whether plans of this op are cached by its float arguments' type, not their value."""
+        return self.scalars_free or self.kind is OpKind.POINTWISE
 
     def __str__(self) -> str:
         extra = [name for name, on in (("local", self.local), ("relayout", self.relayout),
@@ -138,6 +147,7 @@ def register_op_strategy(
     relayout: Iterable[OpOverload] = (),
     mode: Optional[str] = None,
     plain_as_replicated: bool = False,
+    scalars_free: bool = False,
 ) -> Callable[[StrategyFn], StrategyFn]:
     """Register the decorated strategy function for one aten op overload or a list of them::
 
@@ -146,7 +156,8 @@ def register_op_strategy(
 
     `local`: a local implementation for every op, or one per op (a mapping); `relayout`: the
     ops among `ops` that give self a new layout in place; `mode`: register the variant used
-    while that mode is on (the op's base rule is registered separately)."""
+    while that mode is on (the op's base rule is registered separately); `scalars_free`: the
+    ops' float arguments never change their layouts or shapes (see `OpRule.scalars_free`)."""
     targets = _targets(ops)
     reshaping = set(relayout)
     where = _caller()
@@ -154,7 +165,7 @@ def register_op_strategy(
     def wrap(fn: StrategyFn) -> StrategyFn:
         for op in targets:
             impl = local.get(op) if isinstance(local, Mapping) else local
-            _add(OpRule(op, kind, fn, impl, op in reshaping, plain_as_replicated, mode, where))
+            _add(OpRule(op, kind, fn, impl, op in reshaping, plain_as_replicated, mode, where, scalars_free))
         return fn
 
     return wrap

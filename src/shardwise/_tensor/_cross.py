@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .. import _comm as comm
 from .._groups import crossing_group
-from .._mesh_dry import PER_RANK_CACHES
+from .._mesh_dry import CACHE_SIZES, PER_RANK_CACHES
 from .._mesh import DeviceMesh
 from .._ops._utils import order_like
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
@@ -151,8 +151,10 @@ def cross_move(src: DTensorSpec, dst: DTensorSpec) -> CrossMove:
 
 _MOVES: dict[tuple[DTensorSpec, DTensorSpec], CrossMove] = {}
 PER_RANK_CACHES.append(_MOVES.clear)
+CACHE_SIZES["cross-mesh moves"] = _MOVES.__len__
 _ROUTES: dict[tuple[DTensorSpec, DTensorSpec], Routes] = {}
 PER_RANK_CACHES.append(_ROUTES.clear)
+CACHE_SIZES["cross-mesh routes"] = _ROUTES.__len__
 
 
 def _region(t: torch.Tensor, box: Box) -> torch.Tensor:

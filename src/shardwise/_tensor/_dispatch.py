@@ -36,7 +36,7 @@ from torch._decomp import decomposition_table
 
 from .. import _comm as comm
 from .._explicit import check_explicit
-from .._mesh_dry import PER_RANK_CACHES, DryMesh
+from .._mesh_dry import CACHE_SIZES, PER_RANK_CACHES, DryMesh
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh
 from .._ops import ACTIVE_MODES, OpKind, OpRule, OpSchema, OutputSharding, ScalarTensor, propagate, rule_for
@@ -62,7 +62,13 @@ __all__ = ["dispatch", "implicit_replication", "torch_dispatch"]
 # The cache holds each plan's bound `run` (made once), so a hit is a lookup and one call.
 _PLANS: dict[tuple[Any, ...], Callable[[tuple[Any, ...], dict[str, Any]], Any]] = {}
 PER_RANK_CACHES.append(_PLANS.clear)
+CACHE_SIZES["op plans"] = _PLANS.__len__
 _SCALARS = (int, float, bool, complex, type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+# ops whose float arguments never change a plan (`OpRule.floats_by_type`): an optimizer's lr,
+# bias corrections and step sizes change every step, and a key by value made a plan per step
+_FLOATS_BY_TYPE: dict[Any, bool] = {}
+CACHE_SIZES["ops keyed by float type"] = _FLOATS_BY_TYPE.__len__
+_FLOAT = (float,)
 _SCALAR_TYPES = frozenset(_SCALARS)
 _LAZY_VIEWS = {torch.ops.aten._conj.default, torch.ops.aten._neg_view.default}
 _CAT = torch.ops.aten.cat.default
@@ -81,6 +87,9 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
     if kwargs is None:
         kwargs = {}
     modes = ACTIVE_MODES[0]
+    free = _FLOATS_BY_TYPE.get(func)
+    if free is None:
+        free = _FLOATS_BY_TYPE[func] = rule_for(func, frozenset()).floats_by_type
     # The key inlines the two common cases of `_key_part` (a DTensor, a plain scalar), and is
     # unrolled for up to three arguments, most calls: a comprehension is a frame of its own.
     n = len(args)
@@ -88,31 +97,33 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
         a, b = args
         key: tuple[Any, ...] = (
             func, modes,
-            a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes),
-            b._spec if b.__class__ in _DTENSORS else (b.__class__, b) if b.__class__ in _SCALAR_TYPES
-            else _key_part(b, func, modes),
+            a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes, free),
+            b._spec if b.__class__ in _DTENSORS else
+            (_FLOAT if free and b.__class__ is float else (b.__class__, b)) if b.__class__ in _SCALAR_TYPES
+            else _key_part(b, func, modes, free),
         )
     elif n == 1:
         a = args[0]
-        key = (func, modes, a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes))
+        key = (func, modes, a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes, free))
     elif n == 3:
         a, b, c = args
         key = (
             func, modes,
-            a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes),
-            b._spec if b.__class__ in _DTENSORS else (b.__class__, b) if b.__class__ in _SCALAR_TYPES
-            else _key_part(b, func, modes),
-            c._spec if c.__class__ in _DTENSORS else (c.__class__, c) if c.__class__ in _SCALAR_TYPES
-            else _key_part(c, func, modes),
+            a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes, free),
+            b._spec if b.__class__ in _DTENSORS else
+            (_FLOAT if free and b.__class__ is float else (b.__class__, b)) if b.__class__ in _SCALAR_TYPES
+            else _key_part(b, func, modes, free),
+            c._spec if c.__class__ in _DTENSORS else
+            (_FLOAT if free and c.__class__ is float else (c.__class__, c)) if c.__class__ in _SCALAR_TYPES
+            else _key_part(c, func, modes, free),
         )
     else:
         key = (func, modes, *[
-            a._spec if a.__class__ in _DTENSORS else (a.__class__, a) if a.__class__ in _SCALAR_TYPES
-            else _key_part(a, func, modes)
+            a._spec if a.__class__ in _DTENSORS else _key_part(a, func, modes, free)
             for a in args
         ])
     if kwargs:
-        key += (tuple((k, _key_part(v, func, modes)) for k, v in kwargs.items()),)
+        key += (tuple((k, _key_part(v, func, modes, free)) for k, v in kwargs.items()),)
     if func is _CAT:  # the backward of a split keeps a fused output's parts split (`_strided`)
         key += (in_split_backward(),)
     run = _PLANS.get(key)
@@ -187,11 +198,13 @@ def _add_context(exc: BaseException, func: Any, args: tuple[Any, ...], kwargs: d
         add_note(f"shardwise: raised by {func} on {where}, inputs {', '.join(inputs)}")
 
 
-def _key_part(a: Any, func: Any, modes: frozenset[str]) -> Any:
+def _key_part(a: Any, func: Any, modes: frozenset[str], free: bool = False) -> Any:
+    """`a`'s part of the plan cache key; with `free` (the op's `floats_by_type`), a float, or a
+    float in a list, counts by its type only."""
     if isinstance(a, DTensorBase):
         return a._spec
     if isinstance(a, _SCALARS):
-        return (a.__class__, a)
+        return _FLOAT if free and a.__class__ is float else (a.__class__, a)
     if isinstance(a, torch.Tensor):
         if a.ndim == 0:
             return ScalarTensor(a.dtype, a.device.type)
@@ -200,8 +213,10 @@ def _key_part(a: Any, func: Any, modes: frozenset[str]) -> Any:
     if isinstance(a, (list, tuple)):
         types = tuple(map(type, a))
         if _SCALAR_TYPES.issuperset(types):  # a shape, a list of dims: no walk
+            if free and float in types:  # a foreach step's per-parameter scalars
+                return (a.__class__, types)
             return (a.__class__, types, tuple(a))
-        return (a.__class__, tuple(_key_part(x, func, modes) for x in a))
+        return (a.__class__, tuple(_key_part(x, func, modes, free) for x in a))
     return (a.__class__, a)
 
 

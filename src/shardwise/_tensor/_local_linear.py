@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .._mesh_dry import PER_RANK_CACHES
+from .._mesh_dry import CACHE_SIZES, PER_RANK_CACHES
 from .._ops._batched_linear import LinearLayouts, linear_layouts
 from .._spec import DTensorSpec
 from ._autograd import FromLocal, ToLocal
@@ -27,6 +27,7 @@ __all__ = ["TORCH_FUNCTION_HANDLERS"]
 # (out_dim, x spec, w spec, bias spec or None) -> layouts, or None where the ordinary path runs
 _PLANS: dict[tuple[Any, ...], Optional[LinearLayouts]] = {}
 PER_RANK_CACHES.append(_PLANS.clear)
+CACHE_SIZES["linear layouts"] = _PLANS.__len__
 
 
 def _local(t: DTensorBase, grad_spec: DTensorSpec) -> torch.Tensor:

@@ -13,11 +13,13 @@
   which piece, for any mesh and tensor rank, as text (and a PNG with png=);
   `layout_table(model)`: every parameter's layout and map.
 - `explain_redistribute(...)` / `plan_for(...)`: a redistribution's plan, purely.
+- `cache_info()`: the entries each cache of layouts and plans holds (flat over a long run).
 """
 
 from .._comm import CommRecord, comm_log
 from .._explain import explain_redistribute, plan_for
 from .._explicit import ImplicitRedistributionError, explicit
+from ._caches import cache_info
 from ._counter import CommCounter
 from ._dry_run import dry_run
 from ._report import DryCollective, DryRunReport, MemoryReport, RankReport
@@ -31,6 +33,7 @@ __all__ = [
     "ImplicitRedistributionError",
     "MemoryReport",
     "RankReport",
+    "cache_info",
     "comm_log",
     "dry_run",
     "explain_redistribute",
