@@ -46,7 +46,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert record["errors"] == {}
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint",
                                          "collective_bookkeeping", "hf_load", "cross_mesh", "dry_run", "planner", "planner_quality",
-                                         "planner_quality_llama", "context_parallel"}
+                                         "planner_quality_llama", "context_parallel", "long_run"}
 
 
 def test_fsdp_rows_train_alike_with_one_collective_per_unit(quick_run: Any) -> None:
@@ -181,3 +181,11 @@ def test_the_context_parallel_rows_check_every_rotation(quick_run: Any) -> None:
     assert any("ContextParallel()" in r["who"] for r in rows)  # the plan style: the one-process program unchanged
     assert rows and all(r["check"] == "ok" and r["peak_vs_one"] is not None for r in rows)
     assert any(r["who"] == "torch context_parallel" for r in table["rows"])
+
+
+def test_the_long_run_rows_show_no_growth_for_shardwise(quick_run: Any) -> None:
+    rows = quick_run[1]["benchmarks"]["long_run"]["rows"]
+    ours = [r for r in rows if r["lib"] == "shardwise"]
+    assert {r["optimizer"] for r in ours} == {"foreach", "fused", "for-loop"}
+    for r in ours:  # flat after warm-up (before the float-keyed plans: about 40 objects a step with foreach)
+        assert r["objects"] is not None and r["objects"] < 0.5, r
