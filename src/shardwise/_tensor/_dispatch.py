@@ -27,6 +27,7 @@ A move would add `move_between` (the plan's program, made once) to the plan and
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
@@ -69,6 +70,8 @@ _SCALARS = (int, float, bool, complex, type(None), str, torch.dtype, torch.devic
 _FLOATS_BY_TYPE: dict[Any, bool] = {}
 CACHE_SIZES["ops keyed by float type"] = _FLOATS_BY_TYPE.__len__
 _FLOAT = (float,)
+_SPEC_OF = operator.attrgetter("_spec")
+_NDIM_OF, _DTYPE_OF, _DEVICE_TYPE_OF = (operator.attrgetter(n) for n in ("ndim", "dtype", "device.type"))
 _SCALAR_TYPES = frozenset(_SCALARS)
 _LAZY_VIEWS = {torch.ops.aten._conj.default, torch.ops.aten._neg_view.default}
 _CAT = torch.ops.aten.cat.default
@@ -216,6 +219,14 @@ def _key_part(a: Any, func: Any, modes: frozenset[str], free: bool = False) -> A
             if free and float in types:  # a foreach step's per-parameter scalars
                 return (a.__class__, types)
             return (a.__class__, types, tuple(a))
+        if _DTENSORS.issuperset(types):  # a foreach / fused optimizer list: the specs, read in C
+            return (a.__class__, tuple(map(_SPEC_OF, a)))
+        if types and types.count(torch.Tensor) == len(types):  # an optimizer's step counts: 0-dim, one kind
+            kinds = set(zip(map(_NDIM_OF, a), map(_DTYPE_OF, a), map(_DEVICE_TYPE_OF, a)))
+            if len(kinds) == 1:
+                ndim, dtype, device = kinds.pop()
+                if ndim == 0:
+                    return (a.__class__, len(a), ScalarTensor(dtype, device))
         return (a.__class__, tuple(_key_part(x, func, modes, free) for x in a))
     return (a.__class__, a)
 
@@ -391,9 +402,15 @@ def _plan_from(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: O
         only_pieces = not moved and shape_arg is None and len(unwrap) == len(args)
         return LeanPlan(func._op, unwrap, moved, shape_arg, local_shape, wrappers,
                         wrappers[0] if single is not None else None, only_pieces)
+    # a list argument of DTensors none of which moves (a foreach / fused optimizer step's) is
+    # unwrapped whole, in C, instead of element by element
+    lists = tuple(k for k in {k for (k, j), _ in moves if j is not None}
+                  if all(m is None for (kk, j), m in moves if kk == k)
+                  and _DTENSORS.issuperset(map(type, args[k] if isinstance(k, int) else kwargs[k])))
     return GeneralPlan(
         func=func,
-        moves=moves,
+        moves=tuple(((k, j), m) for (k, j), m in moves if k not in lists),
+        lists=lists,
         flat=flat,
         outputs=outputs,
         shape_arg=shape_arg,

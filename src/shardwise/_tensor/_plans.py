@@ -129,7 +129,8 @@ class GeneralPlan:
     arguments, relayout, outputs described after the run."""
 
     func: Any
-    moves: tuple[tuple[Location, Optional[Move]], ...]  # every DTensor input, and how it moves
+    moves: tuple[tuple[Location, Optional[Move]], ...]  # every DTensor input, and how it moves (but `lists`')
+    lists: tuple[Union[int, str], ...]  # list arguments of DTensors that all stay put: unwrapped whole
     flat: bool  # every DTensor input is a top-level positional argument
     outputs: Union[DTensorSpec, tuple[Optional[DTensorSpec], ...], None]
     shape_arg: Optional[int]
@@ -151,6 +152,11 @@ class GeneralPlan:
             return local_args, kwargs
         local_args = [list(a) if isinstance(a, (list, tuple)) else a for a in args]
         local_kwargs = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
+        for key in self.lists:
+            if isinstance(key, int):
+                local_args[key] = list(map(_piece_of, args[key]))
+            else:
+                local_kwargs[key] = list(map(_piece_of, kwargs[key]))
         for (key, j), move in self.moves:
             holder: Any = local_args if isinstance(key, int) else local_kwargs
             value = _piece(_get(args, kwargs, (key, j)), move)
