@@ -46,7 +46,8 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert record["errors"] == {}
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint",
                                          "collective_bookkeeping", "hf_load", "cross_mesh", "dry_run", "planner", "planner_quality",
-                                         "planner_quality_llama", "context_parallel", "long_run"}
+                                         "planner_quality_llama", "context_parallel", "long_run",
+                                         "optimizer"}
 
 
 def test_fsdp_rows_train_alike_with_one_collective_per_unit(quick_run: Any) -> None:
@@ -189,3 +190,9 @@ def test_the_long_run_rows_show_no_growth_for_shardwise(quick_run: Any) -> None:
     assert {r["optimizer"] for r in ours} == {"foreach", "fused", "for-loop"}
     for r in ours:  # flat after warm-up (before the float-keyed plans: about 40 objects a step with foreach)
         assert r["objects"] is not None and r["objects"] < 0.5, r
+
+
+def test_the_optimizer_rows_compare_dtensor_steps_with_local_ones(quick_run: Any) -> None:
+    rows = quick_run[1]["benchmarks"]["optimizer"]["rows"]
+    assert {(r["kind"], r["n"]) for r in rows} == {("foreach", 10), ("foreach", 50), ("fused", 10), ("fused", 50)}
+    assert all(isinstance(r["shardwise_vs_local"], float) and isinstance(r["torch_vs_local"], float) for r in rows)
