@@ -37,6 +37,8 @@ forwards mirrored here (and tested against the whole model) are offered.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Optional
@@ -154,14 +156,20 @@ def _positions(hidden: Tensor) -> Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
+@functools.lru_cache(maxsize=None)
+def _no_cache(make: Callable[..., Any]) -> dict[str, None]:
+    """`make`'s argument for "no cache": `cache=None` (transformers 5.2x) or `past_key_values=None` (before)."""
+    return {"cache": None} if "cache" in inspect.signature(make).parameters else {"past_key_values": None}
+
+
 def _causal_mask(make: Callable[..., Any], config: Any, hidden: Tensor, padding: Optional[Tensor],
                  positions: Tensor) -> Any:
     """The mask the model's forward would make; under context parallelism none: causal
     attention, which context-parallel attention applies by global position (with the layer's
     sliding window, which it reads from the attention module)."""
     if current_cp_attention() is None:
-        return make(config=config, inputs_embeds=hidden, attention_mask=padding, past_key_values=None,
-                    position_ids=positions)
+        return make(config=config, inputs_embeds=hidden, attention_mask=padding, position_ids=positions,
+                    **_no_cache(make))
     if padding is not None:
         raise ValueError("a context-parallel pipeline runs causal attention over whole sequences: an "
                          "attention_mask (padding) cannot be split with the sequence; pack documents without padding")
@@ -201,7 +209,7 @@ class _DecoderLayer(nn.Module):
         masks = _masks()
         make = masks.create_sliding_window_causal_mask if self.sliding else masks.create_causal_mask
         mask = _causal_mask(make, self.config, hidden, padding, positions)
-        out = self.layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=None, use_cache=False,
+        out = self.layer(hidden, attention_mask=mask, position_ids=positions, use_cache=False,
                          position_embeddings=self.rotary_emb(hidden, position_ids=positions))
         return _join(out[0] if isinstance(out, tuple) else out, padding, value)
 
@@ -288,7 +296,7 @@ class _T5EncoderBlock(nn.Module):
     def forward(self, value: tuple[Any, ...]) -> tuple[Any, ...]:
         hidden, bias, decoder_ids, padding = value
         mask = _masks().create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=padding)
-        hidden, bias, _ = self.block(hidden, mask, bias, None, None, None, past_key_values=None)
+        hidden, bias, _ = self.block(hidden, mask, bias, None, None, None)
         return hidden, bias, decoder_ids, padding
 
 
@@ -322,10 +330,10 @@ class _T5DecoderBlock(nn.Module):
         hidden, bias, cross_bias, encoded, padding = value
         masks = _masks()
         mask = masks.create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                        past_key_values=None)
+                                        **_no_cache(masks.create_causal_mask))
         cross_mask = masks.create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=padding,
                                                      encoder_hidden_states=encoded)
-        hidden, bias, cross_bias = self.block(hidden, mask, bias, encoded, cross_mask, cross_bias, past_key_values=None)
+        hidden, bias, cross_bias = self.block(hidden, mask, bias, encoded, cross_mask, cross_bias)
         return hidden, bias, cross_bias, encoded, padding
 
 
