@@ -70,3 +70,9 @@ __all__ = [
     "set_strict",
     "zeros",
 ]
+
+# torch.compile: once torch._dynamo is loaded, dynamo never starts a frame in shardwise's code
+# (modules still loading when it registered are covered here; later ones on import)
+from ._tensor._traceable import mark_loaded as _mark_loaded  # noqa: E402
+
+_mark_loaded()

@@ -73,7 +73,7 @@ class DeviceMesh(AbstractMesh):
     As a context manager it becomes the current mesh, used by factories when no mesh is given.
     """
 
-    __slots__ = ("device_type", "_grid", "_coordinate", "_groups", "_slice_ranks", "_whole", "_sliced_from", "_flattened",
+    __slots__ = ("device_type", "_grid", "_ranks", "_coordinate", "_groups", "_slice_ranks", "_whole", "_sliced_from", "_flattened",
                  "__weakref__")
 
     device_type: str
@@ -104,7 +104,10 @@ class DeviceMesh(AbstractMesh):
             raise ValueError(f"mesh ranks {bad} are outside the world of {world} processes: use ranks in [0, {world - 1}]")
         self.device_type = device_type
         self._grid = grid
-        self._hash = hash((device_type, tuple(ranks), self.shape, self.mesh_dim_names))
+        # the ranks in order, as Python ints: equality and hashing never touch the grid tensor
+        # (a tensor op would be intercepted while torch.compile traces with fake tensors)
+        self._ranks = tuple(ranks)
+        self._hash = hash((device_type, self._ranks, self.shape, self.mesh_dim_names))
         me = dist.get_rank()
         where = (grid == me).nonzero()
         self._coordinate: Optional[tuple[int, ...]] = tuple(where[0].tolist()) if len(where) else None
@@ -254,7 +257,7 @@ class DeviceMesh(AbstractMesh):
         _CURRENT.set(_CURRENT.get()[:-1])
 
     def _key(self) -> tuple[Any, ...]:
-        return (self.device_type, tuple(self._grid.flatten().tolist()), self.shape, self.mesh_dim_names)
+        return (self.device_type, self._ranks, self.shape, self.mesh_dim_names)
 
     def __eq__(self, other: object) -> bool:
         if other is self:

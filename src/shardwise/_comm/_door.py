@@ -37,6 +37,7 @@ from . import _dry
 from ._async import has_pending, wait_pending
 from ._collectives import AllGather, AllReduce, Broadcast, Collective, Finish, ReduceScatter
 from ._fault import CollectiveError, checking, diagnose, group_ranks, next_number, note_process, verify_agreement
+from ._traced import LIB, as_node, is_traced, record
 
 __all__ = [
     "CommRecord",
@@ -143,6 +144,8 @@ def run(collective: Collective, local: torch.Tensor, *, traceable: bool = True) 
     hook never takes those over."""
     if has_pending():
         wait_pending()
+    if is_traced(local):  # torch.compile tracing: a graph node, run when the graph runs
+        return as_node(collective, local)
     hooks = _HOOKS.get()
     collective, local = _ordinary(collective, local, hooks)
     if type(collective.group) is DryGroup:
@@ -244,6 +247,8 @@ def start(collective: Collective, local: torch.Tensor) -> Started:
     issue order. Under a synchronous hook it runs here, and the handle is already done."""
     if has_pending():
         wait_pending()
+    if is_traced(local):
+        return Started(None, None, as_node(collective, local))
     hooks = _HOOKS.get()
     collective, local = _ordinary(collective, local, hooks)
     if type(collective.group) is DryGroup:
@@ -276,3 +281,13 @@ def comm_log() -> Iterator[list[CommRecord]]:
     records: list[CommRecord] = []
     with intercept(_Log(records)):
         yield records
+
+
+def _collective_kernel(local: torch.Tensor, call: int) -> torch.Tensor:
+    """`shardwise::collective` (`_traced`): run record `call` on `local` through the door."""
+    out = run(record(call), local)
+    # the op's schema promises a fresh tensor: never hand back the input itself
+    return out.clone() if out is local else out
+
+
+LIB.impl("collective", _collective_kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]

@@ -29,7 +29,7 @@ from .._spec import DTensorSpec, TensorMeta, _spec_from
 from .._ops._random import neutral_term
 from .._redistribute._exchange import scatter_routes
 from . import _random
-from ._autograd import FromLocal
+from ._traceable import from_local_node
 from ._plans import empty_piece
 from ._redistribute import redistribute_local
 from ._wrap import DTensorBase, wrap
@@ -175,7 +175,7 @@ def from_local(
                     synced = comm.broadcast(local_tensor.detach().clone(), mesh.get_group(i), mesh.shape[i], mesh.ranks_along(i)[0])
                 local_tensor = local_tensor + (synced - local_tensor).detach() if local_tensor.requires_grad else synced
     spec = DTensorSpec(mesh, pl, TensorMeta(torch.Size(gshape), gstride, local_tensor.dtype), order)
-    return FromLocal.apply(local_tensor, spec)  # type: ignore[no-untyped-call,no-any-return]
+    return from_local_node(local_tensor, spec)  # type: ignore[no-any-return]
 
 
 def distribute_tensor(

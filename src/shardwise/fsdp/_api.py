@@ -21,6 +21,7 @@ from .._describe import describe
 from .._mesh import DeviceMesh, init_device_mesh
 from .._mesh_dry import DryMesh, as_device_mesh
 from .._placement import Shard
+from .._tensor._traceable import eager_hook
 from ._module import fsdp_class
 from ._param import UnitParam, place, register
 from ._policy import MixedPrecisionPolicy, OffloadPolicy
@@ -85,8 +86,9 @@ def attach(state: FSDPState, modules: list[nn.Module], swap_class: bool = True) 
     """Hook `state` around each module's forward (and make its class `FSDP<Orig>`)."""
     for m in modules:
         object.__setattr__(m, STATE_ATTR, state)
-        state.handles.append(m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True))
-        state.handles.append(m.register_forward_hook(state.post_forward, always_call=True))
+        # eager under torch.compile: they swap parameters and gather (`eager_hook`)
+        state.handles.append(m.register_forward_pre_hook(eager_hook(state.pre_forward), prepend=True, with_kwargs=True))
+        state.handles.append(m.register_forward_hook(eager_hook(state.post_forward), always_call=True))
         if swap_class:
             m.__class__ = fsdp_class(type(m))
 

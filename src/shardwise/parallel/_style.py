@@ -44,6 +44,7 @@ from .._layout import contiguous_strides
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Placement, Replicate, Shard, _StridedShard
 from .._tensor import DTensor
+from .._tensor._traceable import redistribute_node
 from ._distribute import distribute_module, place_parameter
 from ._fused import fused_parts
 from ._plan import Sharder
@@ -115,7 +116,7 @@ def _input_features(mod: nn.Module) -> Optional[int]:
 
 
 def _moved(x: DTensor, layout: Optional[Placement]) -> DTensor:
-    return x if layout is None else x.redistribute(placements=(layout,))
+    return x if layout is None else redistribute_node(x, (layout,))
 
 
 def _finish(x: DTensor, use_local: bool) -> Union[DTensor, torch.Tensor]:

@@ -1,0 +1,77 @@
+"""Collectives as graph nodes: one opaque dispatcher op, `shardwise::collective`, per collective.
+
+A tracer records dispatcher ops. A collective issued through the door is a Python call
+around `torch.distributed` (in-place c10d calls with a Work handle and padding), so a
+tracer would see its insides, not one step it can replay. `as_node(record, local)` files
+the record under a number and calls `shardwise::collective(local, number)` instead: the
+op's kernel (registered by `_door`) runs record `number` through the door (so `comm_log()` and the fault checks see
+it at run time), and its fake kernel answers the result's shape from the record alone.
+
+Two tracers use it:
+- `shardwise.compile` (`_tensor/_compile_comm`), whose `make_fx` trace runs on real tensors;
+- `torch.compile`: dynamo and AOTAutograd run DTensor dispatch on fake pieces, and the
+  door sends every collective of a fake piece here (`is_traced`), so the compiled graph
+  holds one node per collective, which inductor calls as an extern kernel.
+
+Records are kept while their graphs may run; `forget` drops those of a graph that will not.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Optional
+
+import torch
+
+from ._collectives import AllGather, Collective
+from ._dry import result_shape
+
+__all__ = ["COLLECTIVE", "LIB", "as_node", "forget", "is_traced", "record"]
+
+_CALLS: dict[int, Collective] = {}
+_IDS = itertools.count()
+_LOCK = threading.Lock()
+
+LIB = torch.library.Library("shardwise", "FRAGMENT")  # type: ignore[no-untyped-call]
+LIB.define("collective(Tensor local, int call) -> Tensor")  # type: ignore[no-untyped-call]
+
+
+def record(call: int) -> Collective:
+    """The record filed under `call` (the op's kernel, in `_door`, runs it)."""
+    return _CALLS[call]
+
+
+def _fake(local: torch.Tensor, call: int) -> torch.Tensor:
+    return local.new_empty(result_shape(_CALLS[call]))
+
+
+torch.library.register_fake("shardwise::collective", _fake, lib=LIB)
+
+COLLECTIVE = torch.ops.shardwise.collective.default
+
+_TRACED_TYPES: tuple[type, ...] = (torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
+
+
+def is_traced(local: torch.Tensor) -> bool:
+    """Whether `local` is a tracer's stand-in (a fake or functional tensor), not data."""
+    return isinstance(local, _TRACED_TYPES)
+
+
+def as_node(collective: Collective, local: torch.Tensor, made: Optional[list[int]] = None) -> torch.Tensor:
+    """`collective` on `local` as one `shardwise::collective` call (see the module docstring);
+    the record's number is appended to `made` when given."""
+    if isinstance(collective, AllGather) and collective.in_place:
+        collective, local = collective.as_piece(local)
+    with _LOCK:
+        key = next(_IDS)
+        _CALLS[key] = collective
+    if made is not None:
+        made.append(key)
+    return COLLECTIVE(local, key)  # type: ignore[no-any-return]
+
+
+def forget(keys: list[int]) -> None:
+    """Drop the records of a graph that will not run again."""
+    for key in keys:
+        _CALLS.pop(key, None)

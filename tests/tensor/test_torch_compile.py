@@ -1,0 +1,245 @@
+"""`torch.compile` of models sharded by shardwise, side by side with torch's DTensor.
+
+The same program runs through torch (`torch.distributed.tensor`, `torch.distributed.fsdp`)
+and through shardwise, each compiled: dynamo's graph and break counts
+(`torch._dynamo.explain`) must be no worse than torch's, and the compiled outputs and
+gradients must equal one process's in float64. Programs:
+- pytorch/examples' tensor-parallel MLP (column-split then row-split Linear) on (2,), under
+  every backend (eager, aot_eager, inductor where a C++ compiler is found): 1 graph, 0 breaks;
+  on (4,) with a hidden size that does not split evenly;
+- a `fully_shard` MLP compiled whole (the hooks run eagerly, as torch's FSDP2 hooks) and
+  per block as torchtitan does (`torch.compile` each block, then `fully_shard` it), trained
+  3 AdamW steps;
+- DP x TP on (2, 2): tensor-parallel blocks compiled, then `fully_shard` over dp;
+- an HF Llama under a tensor-parallel plan: loss and gradients.
+A construct dynamo cannot trace (a user's `redistribute` call inside the compiled region)
+breaks the graph there, and the program still runs right.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+from shardwise.testing import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+HAS_CXX = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+BACKENDS = ["eager", "aot_eager",
+            pytest.param("inductor", marks=pytest.mark.skipif(not HAS_CXX, reason="inductor on CPU needs a C++ compiler"))]
+
+
+class MLP(nn.Module):
+    """pytorch/examples' tensor-parallel toy model."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.in_proj, self.relu, self.out_proj = nn.Linear(10, hidden), nn.ReLU(), nn.Linear(hidden, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.relu(self.in_proj(x)))
+
+
+def _api(which: str) -> Any:
+    """The same names from torch or from shardwise."""
+    if which == "torch":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    else:
+        from shardwise import init_device_mesh
+        from shardwise.fsdp import fully_shard
+        from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    return init_device_mesh, fully_shard, ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _explain(fn: Any, *args: Any, **kwargs: Any) -> tuple[int, int]:
+    torch._dynamo.reset()
+    found = torch._dynamo.explain(fn)(*args, **kwargs)
+    return found.graph_count, found.graph_break_count
+
+
+def _tp_mlp(which: str, backend: str, mesh_shape: tuple[int, ...], hidden: int) -> tuple[tuple[int, int], float]:
+    init_device_mesh, _, Colwise, Rowwise, parallelize = _api(which)
+    torch.manual_seed(0)
+    model, ref = MLP(hidden).double(), MLP(hidden).double()
+    ref.load_state_dict(model.state_dict())
+    parallelize(model, init_device_mesh("cpu", mesh_shape), {"in_proj": Colwise(), "out_proj": Rowwise()})
+    x = torch.randn(4, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    counts = _explain(model, x)
+    out = torch.compile(model, backend=backend)(x)
+    out.square().sum().backward()
+    expected = ref(x)
+    expected.square().sum().backward()
+    err = max((out - expected).abs().max().item(),
+              *((_full(p.grad) - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+    return counts, err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tensor_parallel_mlp_compiles_to_the_graphs_torchs_dtensor_gets(backend: str) -> None:
+    torch_counts, torch_err = run_distributed(_tp_mlp, 2, "torch", backend, (2,), 32, timeout=600)[0]
+    ours = run_distributed(_tp_mlp, 2, "shardwise", backend, (2,), 32, timeout=600)
+    for rank, (counts, err) in enumerate(ours):
+        assert counts == (1, 0) and torch_counts == (1, 0), (rank, counts, torch_counts)
+        assert err <= (1e-10 if backend != "inductor" else 1e-8), (rank, err, torch_err)
+
+
+def test_a_tensor_parallel_mlp_with_an_uneven_hidden_size_compiles_on_4_ranks() -> None:
+    for rank, (counts, err) in enumerate(run_distributed(_tp_mlp, 4, "shardwise", "aot_eager", (4,), 30, timeout=600)):
+        assert counts == (1, 0), (rank, counts)
+        assert err <= 1e-10, (rank, err)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _train(model: nn.Module, ref: nn.Module, x: torch.Tensor, steps: int = 3) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(steps):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    err = (model(x) - ref(x)).abs().max().item()
+    ours = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
+    return max(err, *((_full(ours[k]) - v).abs().max().item() for k, v in ref.state_dict().items()))
+
+
+def _fsdp(which: str, how: str) -> tuple[Any, float]:
+    init_device_mesh, fully_shard, *_ = _api(which)
+    torch.manual_seed(0)
+    model, ref = nn.Sequential(Block(), Block()).double(), nn.Sequential(Block(), Block()).double()
+    ref.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    if how == "whole":
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        counts: Any = _explain(model, x)
+        return counts, _train(torch.compile(model, backend="aot_eager"), ref, x)
+    graphs: list[int] = []  # torchtitan's order: compile each block, then shard it
+
+    def count(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(sum(n.op == "call_function" for n in gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    for i in range(len(model)):
+        model[i] = torch.compile(model[i], backend=count)
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return graphs, _train(model, ref, x)
+
+
+@pytest.mark.parametrize("how", ["whole", "per block"])
+def test_a_fully_shard_model_compiles_as_torchs_fsdp2_does_and_trains_like_one_process(how: str) -> None:
+    torch_counts, _ = run_distributed(_fsdp, 2, "torch", how, timeout=600)[0]
+    for rank, (counts, err) in enumerate(run_distributed(_fsdp, 2, "shardwise", how, timeout=600)):
+        # whole: the units' hooks run eagerly, as torch's FSDP2 hooks do; per block: one graph a block
+        assert counts == torch_counts, (rank, counts, torch_counts)
+        assert err <= 1e-10, (rank, err)
+
+
+def _dp_tp() -> float:
+    init_device_mesh, fully_shard, Colwise, Rowwise, parallelize = _api("shardwise")
+    torch.manual_seed(0)
+    model, ref = nn.Sequential(Block(), Block()).double(), nn.Sequential(Block(), Block()).double()
+    ref.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for i in range(len(model)):
+        parallelize(model[i], mesh["tp"], {"up": Colwise(), "down": Rowwise()})
+        model[i] = torch.compile(model[i], backend="aot_eager")
+        fully_shard(model[i], mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    # each dp rank its own batch; the reference sees both, as a mean over the dp ranks' losses
+    x = torch.randn(2, 4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    dp = mesh["dp"].get_local_rank()
+    for _ in range(3):
+        model(x[dp]).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        (ref(x[0]).square().sum() + ref(x[1]).square().sum()).div(2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ours = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
+    return max((_full(ours[k]) - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+def test_dp_by_tp_blocks_compiled_then_fully_sharded_train_like_one_process() -> None:
+    for rank, err in enumerate(run_distributed(_dp_tp, 4, timeout=600)):
+        assert err <= 1e-10, (rank, err)
+
+
+def _llama(which: str, backend: str) -> tuple[tuple[int, int], float]:
+    init_device_mesh, _, Colwise, Rowwise, parallelize = _api(which)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config).double()
+    ref = transformers.LlamaForCausalLM(config).double()
+    ref.load_state_dict(model.state_dict())
+    plan: dict[str, Any] = {}
+    for i in range(config.num_hidden_layers):
+        plan.update({f"model.layers.{i}.{n}": Colwise() for n in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                   "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")})
+        plan.update({f"model.layers.{i}.{n}": Rowwise() for n in ("self_attn.o_proj", "mlp.down_proj")})
+    parallelize(model, init_device_mesh("cpu", (2,)), plan)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    counts = _explain(model, input_ids=ids)
+    out = torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
+    out.loss.backward()
+    expected = ref(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    err = max((out.logits - expected.logits).abs().max().item(), abs(out.loss.item() - expected.loss.item()),
+              *((_full(p.grad) - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+    return counts, err
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"])
+def test_an_hf_llama_under_tensor_parallel_compiles_like_torchs_dtensor(backend: str) -> None:
+    torch_counts, _ = run_distributed(_llama, 2, "torch", backend, timeout=600)[0]
+    for rank, (counts, err) in enumerate(run_distributed(_llama, 2, "shardwise", backend, timeout=600)):
+        assert counts[1] <= torch_counts[1] and counts[0] <= torch_counts[0], (rank, counts, torch_counts)
+        assert err <= 1e-10, (rank, err)
+
+
+def _user_redistribute() -> tuple[tuple[int, int], float]:
+    import shardwise as sw
+
+    mesh = sw.init_device_mesh("cpu", (2,))
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    d = sw.distribute_tensor(x, mesh, [sw.Shard(0)])
+
+    def f(t: sw.DTensor) -> torch.Tensor:
+        whole = (t - 1).redistribute(placements=[sw.Replicate()])  # a method dynamo cannot put in a graph
+        return (whole * 2).to_local() + 1
+
+    counts = _explain(f, d)
+    out = torch.compile(f, backend="aot_eager")(d)
+    return counts, (out - ((x - 1) * 2 + 1)).abs().max().item()
+
+
+def test_a_construct_dynamo_cannot_trace_breaks_the_graph_and_the_program_still_runs() -> None:
+    for rank, (counts, err) in enumerate(run_distributed(_user_redistribute, 2, timeout=600)):
+        assert counts == (2, 1), (rank, counts)  # the graphs before and after the call
+        assert err == 0, (rank, err)
