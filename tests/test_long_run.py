@@ -1,22 +1,41 @@
 """Long runs do not grow: after warm-up, no new shardwise objects and flat caches over 1,000 steps.
 
-Each loop trains a small MLP on 2 gloo ranks, with an optimizer whose scalars change every
-step (AdamW's bias corrections, a cosine learning-rate schedule): tensor parallel with
-foreach, fused and for-loop AdamW and momentum SGD, and ZeRO-3 (`fully_shard`) with
-foreach AdamW. Between step 300 and the last step, the live objects of shardwise's own
-types (counted after `gc.collect()`) and every cache in `shardwise.debug.cache_info()` stay
-exactly the same. Before the caches keyed elementwise and optimizer ops by their float
-arguments' values, foreach AdamW grew by three plans a step (the benchmark runs 10,000).
+Each loop trains a tiny model with an optimizer whose scalars change every step (AdamW's
+bias corrections, a cosine learning-rate schedule). The loops, on gloo ranks:
+
+- tensor parallel (2 ranks) with foreach, fused and for-loop AdamW and momentum SGD;
+- ZeRO-3 (`fully_shard`, 2 ranks) with foreach AdamW;
+- dp x tp (4 ranks, mesh (2, 2)): Colwise/Rowwise over tp, then `fully_shard` over dp,
+  foreach AdamW (torchtitan's 2-D recipe);
+- a 1F1B pipeline (`DistributedPipe`, 2 stages, 4 micro-batches) with foreach AdamW;
+- the `ContextParallel()` plan style (2 ranks, ring rotation) on a one-layer Hugging Face
+  Llama with foreach AdamW;
+- the compiled replay: `shardwise.compile` of a whole tensor-parallel train step (forward,
+  backward, foreach AdamW's step, zero_grad): one program, traced on the second call and
+  replayed on every later one (checked at every step).
+
+The context-parallel options are module state that outlives a test in the worker pool:
+the loop sets them itself.
+
+Between step 300 and the last step, the live objects of shardwise's own types (counted
+after `gc.collect()`) and every cache in `shardwise.debug.cache_info()` stay exactly the
+same. Before the caches keyed elementwise and optimizer ops by their float arguments'
+values, foreach AdamW grew by three plans a step (the benchmark runs 10,000). Before the
+compiled replay passed Adam's learning rate in as a tensor, a schedule's new lr was a new
+signature: the step was traced again every step, one program more each time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.debug import cache_info
@@ -24,6 +43,7 @@ from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_mod
 from shardwise.testing import run_distributed
 
 STEPS, WARM = 1000, 300
+Growth = tuple[dict[str, int], dict[str, int], dict[str, int]]  # (objects made, caches at WARM, at the end)
 
 
 def _ours() -> Counter[str]:
@@ -36,6 +56,17 @@ def _ours() -> Counter[str]:
     return found
 
 
+def _long_run(step: Callable[[], object]) -> Growth:
+    """`step()` STEPS times: the shardwise objects made between step WARM and the end, and the caches at both."""
+    before: tuple[Counter[str], dict[str, int]] = (Counter(), {})
+    for i in range(STEPS):
+        step()
+        if i == WARM:
+            before = (_ours(), cache_info())
+    after = (_ours(), cache_info())
+    return dict(after[0] - before[0]), before[1], after[1]
+
+
 def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=True)
@@ -43,36 +74,146 @@ def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **flags)
 
 
-def _loop(parallel: str, kind: str) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+def _mlp() -> torch.nn.Sequential:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
-    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("dp" if parallel == "zero3" else "tp",))
-    if parallel == "zero3":
-        from shardwise.fsdp import fully_shard
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
 
-        fully_shard(model, mesh=mesh)
-    else:
-        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+def _rows(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+def _eager(model: torch.nn.Module, kind: str) -> Callable[[], object]:
     optimizer = _optimizer(kind, model.parameters())
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS)  # a new lr every step
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    before: tuple[Counter[str], dict[str, int]] = (Counter(), {})
-    for step in range(STEPS):
+    x = _rows(8, 16)
+
+    def step() -> None:
         optimizer.zero_grad()
         model(x).square().mean().backward()
         optimizer.step()
         schedule.step()
-        if step == WARM:
-            before = (_ours(), cache_info())
-    after = (_ours(), cache_info())
-    grown = {name: n for name, n in (after[0] - before[0]).items()}
-    return grown, before[1], after[1]
+    return step
+
+
+@contextlib.contextmanager
+def _tp(kind: str) -> Iterator[Callable[[], object]]:
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    yield _eager(parallelize_module(_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}), kind)
+
+
+@contextlib.contextmanager
+def _zero3(kind: str) -> Iterator[Callable[[], object]]:
+    from shardwise.fsdp import fully_shard
+
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = _mlp()
+    fully_shard(model, mesh=mesh)
+    yield _eager(model, kind)
+
+
+@contextlib.contextmanager
+def _dp_x_tp(kind: str) -> Iterator[Callable[[], object]]:
+    from shardwise.fsdp import fully_shard
+
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(_mlp(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    yield _eager(model, kind)
+
+
+@contextlib.contextmanager
+def _pipeline(kind: str) -> Iterator[Callable[[], object]]:
+    from shardwise.pipeline import DistributedPipe
+
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pipe = DistributedPipe(_mlp(), [2, 1], mesh, schedule="1f1b", chunks=4, loss_fn=F.mse_loss)
+    optimizer = _optimizer(kind, pipe.parameters())
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS)
+    x, y = _rows(8, 16), _rows(8, 16).flip(0)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        pipe.step(x, y)  # (the loss on the last stage, None on the first)
+        optimizer.step()
+        schedule.step()
+    yield step
+    pipe.close()  # (its process group: the worker process lives on into later tests)
+
+
+@contextlib.contextmanager
+def _context_parallel(kind: str) -> Iterator[Callable[[], object]]:
+    import transformers
+
+    from shardwise.experimental import set_load_balance, set_rotate_method
+    from shardwise.parallel import ContextParallel
+
+    set_rotate_method("ring")  # module-level options: set here, whatever an earlier test in this worker chose
+    set_load_balance(True)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config)
+    parallelize_module(model, sw.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)), ContextParallel())
+    optimizer = _optimizer(kind, model.parameters())
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS)
+    ids = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        schedule.step()
+    yield step
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    loss: torch.Tensor = model(x).square().mean()
+    loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@contextlib.contextmanager
+def _compiled_tp(kind: str) -> Iterator[Callable[[], object]]:
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = parallelize_module(_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    optimizer = _optimizer(kind, model.parameters())
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS)
+    x = _rows(8, 16)
+    train = sw.compile(_train_step)
+    calls = 0
+
+    def step() -> None:
+        nonlocal calls
+        train(model, optimizer, x)
+        schedule.step()
+        calls += 1  # call 1 makes AdamW's state (eager), call 2 traces, then every call replays that one program
+        assert train.programs() == (calls >= 2), f"call {calls}: {train.programs()} programs"
+    yield step
+
+
+# name -> (the loop's set-up, yielding its step; ranks)
+LOOPS: dict[str, tuple[Callable[[str], contextlib.AbstractContextManager[Callable[[], object]]], int]] = {
+    "tp": (_tp, 2), "zero3": (_zero3, 2), "dp-x-tp": (_dp_x_tp, 4), "1f1b": (_pipeline, 2),
+    "context-parallel": (_context_parallel, 2), "compiled-tp": (_compiled_tp, 2),
+}
+
+
+def _loop(parallel: str, kind: str) -> Growth:
+    with LOOPS[parallel][0](kind) as step:
+        return _long_run(step)
 
 
 @pytest.mark.parametrize("parallel, kind", [("tp", "foreach"), ("tp", "fused"), ("tp", "for-loop"), ("tp", "sgd"),
-                                            ("zero3", "foreach")])
+                                            ("zero3", "foreach"), ("dp-x-tp", "foreach"), ("1f1b", "foreach"),
+                                            ("context-parallel", "foreach"), ("compiled-tp", "foreach")])
 def test_a_long_training_loop_grows_no_objects_and_no_caches(parallel: str, kind: str) -> None:
-    for rank, (grown, caches_before, caches_after) in enumerate(run_distributed(_loop, 2, parallel, kind,
+    if parallel == "context-parallel":
+        pytest.importorskip("transformers")
+    ranks = LOOPS[parallel][1]
+    for rank, (grown, caches_before, caches_after) in enumerate(run_distributed(_loop, ranks, parallel, kind,
                                                                                  timeout=600)):
         assert not grown, f"rank {rank}: shardwise objects made between step {WARM} and {STEPS}: {grown}"
         assert caches_after == caches_before, f"rank {rank}: caches grew: {caches_before} -> {caches_after}"

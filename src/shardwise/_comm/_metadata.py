@@ -1,7 +1,11 @@
 """Bookkeeping collectives: ranks agreeing on small lists of ints (shapes, seeds, fingerprints).
 
 They go through the door like every collective (counted by `comm_log()`, kept in program
-order), but never become graph nodes in a trace (`traceable=False`).
+order), but never become graph nodes in a trace (`traceable=False`). `all_gather_ints`
+exchanges Python ints the program already has (shapes, agreement flags): under
+`shardwise.compile`'s trace it runs at trace time and is not recorded, so a step that checks
+its ranks agree on every call (context parallel's entry and attention) still replays; the
+replay, whose signature pins those shapes, does not exchange them again.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from ._collectives import AllGather, Broadcast
 from ._door import run
@@ -22,11 +27,12 @@ __all__ = ["all_gather_ints", "broadcast", "broadcast_object", "gather_over_mesh
 def all_gather_ints(values: Sequence[int], group: Any, n: int) -> list[list[int]]:
     """Every rank's list of ints (all lists the same length), in group rank order."""
     device = torch.get_default_device()  # (not meta: under `with torch.device("meta")` the ints are still real)
-    t = torch.tensor(list(values), dtype=torch.int64, device="cpu" if device.type == "meta" else device)
-    gather = AllGather(group=group, size=n, shape=tuple(t.shape), dtype=t.dtype, tensor_dim=0,
-                       pieces=(len(values),) * n)
-    out = run(gather, t, traceable=False)
-    return out.view(n, len(values)).tolist()
+    with disable_proxy_modes_tracing():  # Python ints in and out: nothing a trace should record
+        t = torch.tensor(list(values), dtype=torch.int64, device="cpu" if device.type == "meta" else device)
+        gather = AllGather(group=group, size=n, shape=tuple(t.shape), dtype=t.dtype, tensor_dim=0,
+                           pieces=(len(values),) * n)
+        out = run(gather, t, traceable=False)
+        return out.view(n, len(values)).tolist()
 
 
 def gather_over_mesh(values: Sequence[int], groups: Sequence[Any], mesh_shape: Sequence[int]) -> list[list[int]]:

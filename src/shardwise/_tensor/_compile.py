@@ -15,10 +15,11 @@ The signature is the pytree structure of the arguments, each DTensor's spec and
 `requires_grad`, each plain tensor's shape, stride, dtype and device, every other value,
 grad mode, and the state `fn` may read or write besides its arguments: the parameters and
 buffers of `nn.Module` arguments, the `.grad` of every parameter, and the state tensors and
-hyperparameters of `torch.optim.Optimizer` arguments. State that `fn` rebinds (a new
-`.grad`, `zero_grad()` setting it to None, a state tensor) is rebound again on replay;
-state changed in place is changed in place by the replay. A call that creates optimizer
-state (the first step) is not kept: the next call, which finds the state, is traced.
+hyperparameters of `torch.optim.Optimizer` arguments (but not Adam's learning rate: see
+below). State that `fn` rebinds (a new `.grad`, `zero_grad()` setting it to None, a state
+tensor) is rebound again on replay; state changed in place is changed in place by the
+replay. A call that creates optimizer state (the first step) is not kept: the next call,
+which finds the state, is traced.
 A compiled function called inside another's trace runs as part of that trace.
 
 What cannot be replayed is refused after the trace: values read back into Python
@@ -40,8 +41,12 @@ the step-count tensor inside the graph. The flag is set for the trace only. The 
 stays one 0-dim tensor that every replay increments in place; it is kept in float64 (torch
 makes it float32), so the bias corrections round as eager's Python floats do and a replayed
 step differs from eager only by the capturable formula's order of operations (about 1e-16
-relative in float64). The first step, which creates the optimizer's state and is never kept,
-runs on the eager path, so its numbers are eager's exactly. Other
+relative in float64). The learning rate of those groups is an input too, a 0-dim float64
+tensor made from the group's `lr` on every call, so a learning-rate schedule replays one
+program (`_compile_adam`); SGD turns a tensor lr back into a Python number, so its `lr` stays
+part of the signature and SGD under a schedule is traced anew whenever the lr changes. The
+first step, which creates the optimizer's state and is never kept, runs on the eager path, so
+its numbers are eager's exactly. Other
 optimizers that read a step count with `.item()` (Adagrad, Adamax, ASGD, NAdam, RAdam,
 Adafactor) and Adam on other devices run eagerly, with the warning.
 
@@ -55,26 +60,21 @@ every call, so rebinding them between calls is fine).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib
 import warnings
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Any, Optional, Union
 
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .._spec import DTensorSpec
+from ._compile_adam import adam_lrs, adam_steps_as_tensors, steps_in_float64
 from ._compile_comm import COLLECTIVE, collectives_as_nodes, forget_calls
 from ._dtensor import DTensor
 from ._replay_code import compile_graph
 
-__all__ = ["CompiledFunction", "compile"]
-
-# the module torch.optim.adam (not an attribute of torch.optim): where Adam looks up its capturable device rule
-_ADAM_MODULE = importlib.import_module("torch.optim.adam")
+__all__ = ["CompiledFunction", "compile", "mark_persistent"]
 
 # A place holding a tensor besides the arguments: (getter, setter or None when fn may not rebind it).
 _Slot = tuple[Callable[[], Any], Optional[Callable[[Any], None]]]
@@ -98,9 +98,10 @@ def _keys_slot(state: dict[str, Any]) -> _Slot:
     return (lambda: frozenset(state)), None
 
 
-def _slots(leaves: list[Any]) -> tuple[list[_Slot], list[Hashable]]:
+def _slots(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> tuple[list[_Slot], list[Hashable]]:
     """The tensor-holding places reachable from module and optimizer arguments, and the
-    non-tensor parts of the signature they add (hyperparameters, state keys)."""
+    non-tensor parts of the signature they add (hyperparameters, state keys). A group's
+    learning rate in `lrs` (see `adam_lrs`) is an input, not a part of the signature."""
     slots: list[_Slot] = []
     extra: list[Hashable] = []
     params: dict[int, Any] = {}
@@ -111,7 +112,11 @@ def _slots(leaves: list[Any]) -> tuple[list[_Slot], list[Hashable]]:
             slots.extend(_fixed_slot(buffer) for buffer in leaf.buffers())
         elif isinstance(leaf, torch.optim.Optimizer):
             for group in leaf.param_groups:
-                extra.append(tuple(sorted((k, v) for k, v in group.items() if k != "params" and _hashable(v))))
+                lr = lrs.get(id(group))
+                extra.append(tuple(sorted((k, v) for k, v in group.items()
+                                          if k != "params" and _hashable(v) and not (k == "lr" and lr is not None))))
+                if lr is not None:
+                    slots.append(_fixed_slot(lr))
                 for p in group["params"]:
                     params.setdefault(id(p), p)
                     state = leaf.state[p]  # a defaultdict: creating the empty entry here is harmless
@@ -123,63 +128,6 @@ def _slots(leaves: list[Any]) -> tuple[list[_Slot], list[Hashable]]:
         slots.append(_fixed_slot(p))
         slots.append(_attr_slot(p, "grad"))
     return slots, extra
-
-
-def _reads_step_count(group: dict[str, Any]) -> bool:
-    """Whether an Adam/AdamW param group reads its step count into Python and its capturable
-    path can stand in during a trace: neither `capturable` nor `differentiable` nor `fused`,
-    and every parameter on the CPU, where the step count lives too (the path's device rule)."""
-    return (not group["capturable"] and not group["differentiable"] and not group["fused"]
-            and all(p.device.type == "cpu" for p in group["params"]))
-
-
-def _steps_in_float64(leaves: list[Any]) -> None:
-    """Keep the step count of each traced Adam/AdamW in float64 (torch makes it float32 unless
-    the default dtype is float64), so the bias corrections the capturable path computes from
-    it round as eager's Python floats do, not to float32."""
-    for leaf in leaves:
-        if isinstance(leaf, torch.optim.Adam):
-            for group in leaf.param_groups:
-                if _reads_step_count(group):
-                    for p in group["params"]:
-                        state: dict[str, Any] = leaf.state.get(p) or {}
-                        step = state.get("step")
-                        if isinstance(step, torch.Tensor) and step.dtype != torch.float64:
-                            state["step"] = step.to(torch.float64)
-
-
-@contextlib.contextmanager
-def _adam_steps_as_tensors(leaves: list[Any]) -> Iterator[None]:
-    """While tracing, step Adam and AdamW arguments on their `capturable` path.
-
-    With `capturable=False` torch's Adam turns its step count into a Python float and bakes
-    the bias corrections `1 - beta ** step` in as constants; with `capturable=True` it computes
-    them from the step tensor, so the graph recomputes them from the current count on every
-    replay. The flag is set only for the trace (the signature was taken before and sees the
-    user's value), and torch's device rule for capturable steps is widened to the CPU.
-    """
-    # a group without state yet is taking its first step, which is never kept (see `_FIRST_STEP`):
-    # it steps as in eager, so the call gives eager's numbers
-    groups = [group for leaf in leaves if isinstance(leaf, torch.optim.Adam)
-              for group in leaf.param_groups
-              if _reads_step_count(group) and all(leaf.state.get(p) for p in group["params"])]
-    if not groups:
-        yield
-        return
-    supported = _ADAM_MODULE._get_capturable_supported_devices
-
-    def with_cpu(supports_xla: bool = True) -> list[str]:
-        return [*supported(supports_xla), "cpu"]
-
-    for group in groups:
-        group["capturable"] = True
-    setattr(_ADAM_MODULE, "_get_capturable_supported_devices", with_cpu)
-    try:
-        yield
-    finally:
-        setattr(_ADAM_MODULE, "_get_capturable_supported_devices", supported)
-        for group in groups:
-            group["capturable"] = False
 
 
 def _hashable(v: Any) -> bool:
@@ -300,14 +248,15 @@ class CompiledFunction:
         if _TRACING[0]:  # called from inside another compiled function's trace: becomes part of it
             return self._fn(*args, **kwargs)
         leaves, tree = pytree.tree_flatten((args, kwargs))
-        _steps_in_float64(leaves)
-        slots, extra = _slots(leaves)
+        steps_in_float64(leaves)
+        lrs = adam_lrs(leaves)
+        slots, extra = _slots(leaves, lrs)
         state = [get() for get, _ in slots]
         key = (tree, torch.is_grad_enabled(), tuple(_tensor_key(x) for x in leaves),
                tuple(_tensor_key(x) for x in state), tuple(extra))
         program = self._programs.get(key)
         if program is None or program is _RETRY:
-            return self._trace(key, args, kwargs, leaves, slots, state)
+            return self._trace(key, args, kwargs, leaves, slots, state, lrs)
         if program is _EAGER:
             return self._fn(*args, **kwargs)
         assert isinstance(program, _Program)
@@ -318,7 +267,7 @@ class CompiledFunction:
         return sum(isinstance(p, _Program) for p in self._programs.values())
 
     def _trace(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
-               slots: list[_Slot], state: list[Any]) -> Any:
+               slots: list[_Slot], state: list[Any], lrs: dict[int, torch.Tensor]) -> Any:
         inputs = leaves + state
         tensor_ids = {id(t): i for i, t in reversed(list(enumerate(inputs))) if isinstance(t, torch.Tensor)}
         before = [(t._spec, t._local_tensor) if isinstance(t, DTensor) else None for t in inputs]
@@ -337,7 +286,7 @@ class CompiledFunction:
         with collectives_as_nodes() as calls:
             # values read into Python are recorded, not refused here: `_refusal` names them after the run
             try:
-                with _adam_steps_as_tensors(leaves):
+                with adam_steps_as_tensors(leaves, lrs):
                     gm = make_fx(traced, tracing_mode="real", _error_on_data_dependent_ops=False)(
                         *[_local(t) for t in inputs if isinstance(t, torch.Tensor)]
                     )
@@ -390,14 +339,23 @@ class CompiledFunction:
         return None
 
 
+def mark_persistent(t: torch.Tensor) -> torch.Tensor:
+    """Mark a buffer shardwise keeps for the life of a module and only changes in place
+    (`fully_shard`'s unsharded parameters): a replay reading it by identity is right, and
+    `compile` does not warn about it."""
+    t._shardwise_persistent = True  # type: ignore[attr-defined]
+    return t
+
+
 def _outside_tensors(gm: torch.fx.GraphModule) -> int:
     """Tensor constants read by ops directly: tensors fn took from outside its arguments (a
-    tensor fn builds from Python data, `torch.tensor([...])`, is copied out of its constant)."""
+    tensor fn builds from Python data, `torch.tensor([...])`, is copied out of its constant),
+    other than the buffers shardwise marks persistent."""
     lift = torch.ops.aten.lift_fresh_copy.default
     return sum(
         1 for n in gm.graph.nodes
-        if n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None), torch.Tensor)
-        and any(u.target is not lift for u in n.users)
+        if n.op == "get_attr" and isinstance(t := getattr(gm, str(n.target), None), torch.Tensor)
+        and not getattr(t, "_shardwise_persistent", False) and any(u.target is not lift for u in n.users)
     )
 
 

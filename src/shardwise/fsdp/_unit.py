@@ -34,10 +34,18 @@ from .._memory_events import memory_changed
 from .._mesh import DeviceMesh
 from .._placement import Placement, Replicate
 from .._tensor import DTensor
+from .._tensor._compile import mark_persistent
 from ._param import UnitParam
 from ._policy import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["Reduction", "Unit"]
+
+
+def _resize(t: torch.Tensor, nbytes: int) -> None:
+    """Resize `t`'s storage in place, as a dispatched op: a trace (`shardwise.compile`) records
+    it, where `untyped_storage().resize_` would be invisible and its replay would write into
+    freed memory."""
+    torch.ops.inductor.resize_storage_bytes_(t, nbytes)
 
 
 def _packing(params: Sequence[UnitParam], n: int, even: bool = False) -> tuple[tuple[int, ...], list[list[int]]]:
@@ -210,7 +218,7 @@ class Unit:
         self.kept = True
         for p in self.params:
             if p.full is not None:
-                p.full.untyped_storage().resize_(0)
+                _resize(p.full, 0)
         self.gathered = False
         memory_changed(self)  # freed in place: a dry run's memory tracker counts them as gone
 
@@ -218,9 +226,9 @@ class Unit:
         """The unsharded tensor to gather into, where the gather landed (meta in a dry run)."""
         full = p.full
         if full is None or full.dtype != dtype or full.device != device:
-            full = p.full = torch.empty(p.full_shape, dtype=dtype, device=device)
+            full = p.full = mark_persistent(torch.empty(p.full_shape, dtype=dtype, device=device))
         else:
-            full.untyped_storage().resize_(full.numel() * full.element_size())
+            _resize(full, full.numel() * full.element_size())
         return full
 
     def reshard(self) -> None:
@@ -234,7 +242,7 @@ class Unit:
             return
         for p in self.params:
             if p.full is not None:
-                p.full.untyped_storage().resize_(0)
+                _resize(p.full, 0)
         self.gathered = False
         memory_changed(self)  # freed in place: a dry run's memory tracker counts them as gone
 

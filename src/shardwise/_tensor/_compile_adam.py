@@ -1,0 +1,99 @@
+"""Adam and AdamW under `shardwise.compile`: traced on torch's capturable path, the step
+count and the learning rate inputs of the graph rather than constants baked into it.
+
+torch's Adam with `capturable=False` (its default) reads its step count into Python to form
+the bias corrections `1 - beta ** step`, which a trace would bake in as constants; and a
+learning rate read as a Python float is baked in too, so a schedule's new lr every step
+would be a new signature, traced anew (one program more each step). While tracing, each
+Adam/AdamW argument whose parameters are on the CPU steps on the capturable path instead,
+with its lr a 0-dim float64 tensor passed in on every call: the replay computes both from
+the current values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["adam_lrs", "adam_steps_as_tensors", "steps_in_float64"]
+
+# the module torch.optim.adam (not an attribute of torch.optim): where Adam looks up its capturable device rule
+_ADAM_MODULE = importlib.import_module("torch.optim.adam")
+
+
+def _reads_step_count(group: dict[str, Any]) -> bool:
+    """Whether an Adam/AdamW param group reads its step count into Python and its capturable
+    path can stand in during a trace: neither `capturable` nor `differentiable` nor `fused`,
+    and every parameter on the CPU, where the step count lives too (the path's device rule)."""
+    return (not group["capturable"] and not group["differentiable"] and not group["fused"]
+            and all(p.device.type == "cpu" for p in group["params"]))
+
+
+def steps_in_float64(leaves: list[Any]) -> None:
+    """Keep the step count of each traced Adam/AdamW in float64 (torch makes it float32 unless
+    the default dtype is float64), so the bias corrections the capturable path computes from
+    it round as eager's Python floats do, not to float32."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.optim.Adam):
+            for group in leaf.param_groups:
+                if _reads_step_count(group):
+                    for p in group["params"]:
+                        state: dict[str, Any] = leaf.state.get(p) or {}
+                        step = state.get("step")
+                        if isinstance(step, torch.Tensor) and step.dtype != torch.float64:
+                            state["step"] = step.to(torch.float64)
+
+
+def adam_lrs(leaves: list[Any]) -> dict[int, torch.Tensor]:
+    """This call's learning rate of every Adam/AdamW group that steps on the capturable path
+    while tracing, as a 0-dim float64 tensor, by `id` of the group: an input of the graph rather
+    than a constant baked into it, so the new lr a schedule sets every step is a new value of
+    the same signature (keyed by its value, each step was traced anew, one program more)."""
+    return {id(group): torch.tensor(group["lr"], dtype=torch.float64)
+            for leaf in leaves if isinstance(leaf, torch.optim.Adam)
+            for group in leaf.param_groups
+            if _reads_step_count(group) and not isinstance(group["lr"], torch.Tensor)}
+
+
+@contextlib.contextmanager
+def adam_steps_as_tensors(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While tracing, step Adam and AdamW arguments on their `capturable` path, their learning
+    rates the tensors in `lrs` (inputs of the graph, see `adam_lrs`).
+
+    With `capturable=False` torch's Adam turns its step count into a Python float and bakes
+    the bias corrections `1 - beta ** step` in as constants; with `capturable=True` it computes
+    them from the step tensor, so the graph recomputes them from the current count on every
+    replay. The flag and the lr tensor are set only for the trace (the signature was taken before
+    and sees the user's values), and torch's device rule for capturable steps is widened to the CPU.
+    """
+    # a group without state yet is taking its first step, which is never kept (see `_compile._FIRST_STEP`):
+    # it steps as in eager, so the call gives eager's numbers
+    groups = [group for leaf in leaves if isinstance(leaf, torch.optim.Adam)
+              for group in leaf.param_groups
+              if _reads_step_count(group) and all(leaf.state.get(p) for p in group["params"])]
+    if not groups:
+        yield
+        return
+    supported = _ADAM_MODULE._get_capturable_supported_devices
+
+    def with_cpu(supports_xla: bool = True) -> list[str]:
+        return [*supported(supports_xla), "cpu"]
+
+    floats = {id(group): group["lr"] for group in groups if id(group) in lrs}
+    for group in groups:
+        group["capturable"] = True
+        if id(group) in floats:
+            group["lr"] = lrs[id(group)]
+    setattr(_ADAM_MODULE, "_get_capturable_supported_devices", with_cpu)
+    try:
+        yield
+    finally:
+        setattr(_ADAM_MODULE, "_get_capturable_supported_devices", supported)
+        for group in groups:
+            group["capturable"] = False
+            if id(group) in floats:
+                group["lr"] = floats[id(group)]
