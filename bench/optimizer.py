@@ -24,7 +24,7 @@ def _sizes(settings: Settings) -> tuple[int, ...]:
 
 
 def body(settings: Settings, n: int, kind: str) -> dict[str, float]:
-    flags = {"foreach": True} if kind == "foreach" else {"fused": True}
+    flags = {"foreach": {"foreach": True}, "fused": {"fused": True}, "default": {}}[kind]
     torch.manual_seed(0)
     whole = [torch.randn(64, 64) for _ in range(n)]
     params: dict[str, list[torch.nn.Parameter]] = {}
@@ -62,7 +62,7 @@ def run(settings: Settings) -> list[Table]:
          Column("shardwise_ms", "shardwise ms", ".2f"), Column("shardwise_vs_local", "shardwise / local", ".2f"),
          Column("torch_ms", "torch ms", ".2f"), Column("torch_vs_local", "torch / local", ".2f")],
     )
-    for kind in ("foreach", "fused"):
+    for kind in ("default", "foreach", "fused"):
         for n in _sizes(settings):
             try:
                 per_rank = run_distributed(body, 2, settings, n, kind, timeout=settings.timeout)

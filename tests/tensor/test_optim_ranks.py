@@ -4,7 +4,10 @@ AdamW / Adam / SGD with momentum, in their three implementations (single-tensor 
 loop, `foreach=True`, `fused=True`), step DTensor parameters sharded on dim 0, on dim 1 and
 replicated, over meshes (4,) and (2, 2), with uneven shapes. Their state tensors come from
 `torch.zeros_like(p)` on DTensors; the step counters stay plain 0-dim tensors. Strict mode
-is on: every op of the step must have a strategy (no replicated fallback).
+is on: every op of the step must have a strategy (no replicated fallback). With gradients in
+their parameters' layouts the step runs on the local pieces as plain tensors (no DTensor op,
+state made in the parameters' layouts); in other layouts, through DTensor dispatch. A step
+that raises is undone before the next step and before `state_dict()`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise as sw
 from shardwise import Partial, Replicate, Shard
@@ -45,6 +50,21 @@ def _params(mesh_shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], list[Any
     ]
 
 
+class _DTensorOps(TorchDispatchMode):
+    """Counts the aten calls with a DTensor argument (and hands them on to DTensor dispatch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if any(isinstance(t, sw.DTensor) for t in pytree.tree_leaves((args, kwargs))):
+            self.count += 1
+            return NotImplemented
+        return func(*args, **kwargs)
+
+
 def _loss(ps: list[torch.Tensor], ts: list[torch.Tensor]) -> torch.Tensor:
     return sum(((p * t).sum() + 0.25 * (p * p * p).sum()) for p, t in zip(ps, ts))  # type: ignore[return-value]
 
@@ -71,10 +91,15 @@ def _run(mesh: sw.DeviceMesh, cls: type, kw: dict[str, Any], grad_layouts: Any =
             for p, r, lay in zip(params, ref, grad_layouts):
                 p.grad = make_dtensor(r.grad, mesh, lay)  # type: ignore[arg-type]
         opt_ref.step()
-        with sw.comm_log() as log:
+        with sw.comm_log() as log, _DTensorOps() as seen:
             opt.step()
         if grad_layouts is None:
             assert len(log) == 0, f"{cls.__name__}{kw}: the step communicated: {[c.op for c in log]}"
+            # elementwise optimizers step the local pieces as plain tensors (`_local_step`)
+            assert seen.count == 0, f"{cls.__name__}{kw}: {seen.count} DTensor ops in the step"
+            for p in params:  # the state the local step made is in the parameter's layout
+                for k, v in opt.state[p].items():
+                    assert (v.placements == p.placements if v.dim() else not isinstance(v, sw.DTensor)), (k, v)
         for p, r, (_, placements) in zip(params, ref, spec):
             assert p.placements == tuple(placements)
             # fused kernels vectorize over the local piece: rounding may differ in the last bit
@@ -107,3 +132,31 @@ def test_optimizers_accept_gradients_in_other_layouts(mesh_shape: tuple[int, ...
                 _run(mesh, cls, kw, grad_layouts)
     finally:
         sw.set_strict(False)
+
+
+@distributed(world_size=2)
+def test_a_step_that_raises_is_undone_before_the_next_step_and_before_state_dict() -> None:
+    mesh = sw.init_device_mesh("cpu", (2,))
+    full = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    ref = full.clone().requires_grad_()
+    p = sw.distribute_tensor(full.clone(), mesh, [Shard(0)]).requires_grad_()
+    opt, opt_ref = torch.optim.AdamW([p], lr=0.1, foreach=True), torch.optim.AdamW([ref], lr=0.1, foreach=True)
+
+    def boom(*_: Any) -> None:
+        raise RuntimeError("a user's pre-hook failed")
+
+    for step in range(3):
+        for q, o in ((p, opt), (ref, opt_ref)):
+            o.zero_grad()
+            (q * q).sum().backward()
+        handle = opt.register_step_pre_hook(boom) if step == 1 else None  # (runs after the swap)
+        if handle is not None:
+            with pytest.raises(RuntimeError, match="pre-hook failed"):
+                opt.step()
+            handle.remove()
+            saved = opt.state_dict()  # the swap is undone first: the state is the parameter's
+            assert opt.param_groups[0]["params"][0] is p and list(opt.state) == [p]
+            assert isinstance(saved["state"][0]["exp_avg"], sw.DTensor)
+        opt.step()
+        opt_ref.step()
+        torch.testing.assert_close(p.full_tensor(), ref.detach())
