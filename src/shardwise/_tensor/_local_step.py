@@ -90,7 +90,7 @@ def _before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if grad is None:
             local.grad = None
         else:
-            g = grad._local_tensor  # type: ignore[union-attr]
+            g = grad._local_tensor  # type: ignore[attr-defined]
             local.grad = g.wait() if type(g) is Pending else g
         params[i] = local
     for local, moved in states:
