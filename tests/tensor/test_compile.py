@@ -391,3 +391,22 @@ def test_the_first_adam_step_is_eagers_bit_for_bit() -> None:
     _adam_train(models[1], opts[1], x)
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(_value(p), _value(q))
+
+
+@distributed(world_size=2)
+def test_a_signature_that_changes_every_call_keeps_at_most_max_signatures_programs() -> None:
+    from shardwise._tensor._compile import MAX_SIGNATURES
+
+    mesh = sw.init_device_mesh("cpu", (2,))
+    d = sw.distribute_tensor(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), mesh, [Shard(0)])
+
+    def scale(t: DTensor, factor: float) -> DTensor:
+        return t * factor  # the float is part of the signature: a new program per value
+
+    compiled = sw_compile(scale)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(MAX_SIGNATURES + 8):
+            torch.testing.assert_close(compiled(d, float(i)).full_tensor(), d.full_tensor() * i)
+    assert compiled.programs() == MAX_SIGNATURES
+    assert sum("signatures" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]

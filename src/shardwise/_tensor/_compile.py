@@ -44,7 +44,9 @@ step differs from eager only by the capturable formula's order of operations (ab
 relative in float64). The learning rate of those groups is an input too, a 0-dim float64
 tensor made from the group's `lr` on every call, so a learning-rate schedule replays one
 program (`_compile_adam`); SGD turns a tensor lr back into a Python number, so its `lr` stays
-part of the signature and SGD under a schedule is traced anew whenever the lr changes. The
+part of the signature and SGD under a schedule is traced anew whenever the lr changes. A
+compiled function keeps its `MAX_SIGNATURES` most recent programs, dropping the oldest with a
+one-time warning, so such a loop is slow but does not grow. The
 first step, which creates the optimizer's state and is never kept, runs on the eager path, so
 its numbers are eager's exactly. Other
 optimizers that read a step count with `.item()` (Adagrad, Adamax, ASGD, NAdam, RAdam,
@@ -229,6 +231,7 @@ class _Program:
         return pytree.tree_unflatten(leaves, self.out_tree)
 
 
+MAX_SIGNATURES = 32  # programs (and refusals) one compiled function keeps, the most recent
 _EAGER = object()  # a signature that runs eagerly (its trace was refused)
 _RETRY = object()  # a signature whose first trace was refused: traced once more
 _FIRST_STEP = "fn created optimizer state (a first step): later calls, with the state, are traced and replayed"
@@ -261,6 +264,23 @@ class CompiledFunction:
             return self._fn(*args, **kwargs)
         assert isinstance(program, _Program)
         return program.run(leaves + state, slots)
+
+    def _remember(self, key: Hashable, program: Union[_Program, object]) -> None:
+        """Keep `program` for `key`; past MAX_SIGNATURES the oldest is dropped (its graph and
+        collective records with it), so a signature that changes every call cannot grow memory."""
+        self._programs.pop(key, None)
+        self._programs[key] = program
+        if len(self._programs) > MAX_SIGNATURES:
+            del self._programs[next(iter(self._programs))]
+            if "signatures" not in self._warned:
+                self._warned.add("signatures")
+                warnings.warn(
+                    f"shardwise.compile({getattr(self._fn, '__qualname__', repr(self._fn))}) has seen more than "
+                    f"{MAX_SIGNATURES} signatures: something it keys on changes from call to call (a Python number "
+                    "such as a scheduled learning rate SGD reads, a new shape each call), so it keeps tracing; the "
+                    "oldest programs are dropped. Pass changing numbers as tensors, or keep shapes fixed",
+                    stacklevel=4,
+                )
 
     def programs(self) -> int:
         """How many signatures have been traced into a replayable program."""
@@ -301,7 +321,7 @@ class CompiledFunction:
             # values read on a first call may come from one-time work (caches filling, the ranks
             # checking a plain tensor once): the second call traces again before giving up
             retry = reason is not _FIRST_STEP and self._programs.get(key) is not _RETRY
-            self._programs[key] = _RETRY if retry else _EAGER
+            self._remember(key, _RETRY if retry else _EAGER)
             if not retry and reason not in self._warned and reason is not _FIRST_STEP:
                 self._warned.add(reason)
                 name = getattr(self._fn, "__qualname__", repr(self._fn))
@@ -319,9 +339,9 @@ class CompiledFunction:
                 f"nor are gradients that backward() gives them; pass the module, optimizer or tensor as an argument",
                 stacklevel=3,
             )
-        self._programs[key] = _Program(
+        self._remember(key, _Program(
             gm, out_tree, _output_kinds(pytree.tree_leaves(out), tensor_ids), _slot_writes(state, after), calls
-        )
+        ))
         # replayed outputs carry no autograd history: neither do the traced ones, so both calls agree
         return pytree.tree_map_only(
             torch.Tensor, lambda t: t if id(t) in tensor_ids or not t.requires_grad else t.detach(), out
