@@ -13,12 +13,18 @@ gradients must equal one process's in float64. Programs:
 - DP x TP on (2, 2): tensor-parallel blocks compiled, then `fully_shard` over dp;
 - an HF Llama under a tensor-parallel plan: loss and gradients.
 A construct dynamo cannot trace (a user's `redistribute` call inside the compiled region)
-breaks the graph there, and the program still runs right.
+breaks the graph there, and the program still runs right. Importing shardwise does not import
+torch._dynamo (seconds), and a registration that fails on some torch version warns instead of
+breaking dynamo's import.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -243,3 +249,25 @@ def test_a_construct_dynamo_cannot_trace_breaks_the_graph_and_the_program_still_
     for rank, (counts, err) in enumerate(run_distributed(_user_redistribute, 2, timeout=600)):
         assert counts == (2, 1), (rank, counts)  # the graphs before and after the call
         assert err == 0, (rank, err)
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_importing_shardwise_does_not_import_dynamo_and_a_failed_registration_never_breaks_its_import() -> None:
+    found = _python("import sys, shardwise; print('torch._dynamo' in sys.modules)")
+    assert found.returncode == 0 and found.stdout.strip() == "False", found.stderr  # (seconds of import time)
+    code = ("import warnings, shardwise\n"
+            "import shardwise._tensor._traceable as t\n"
+            "def boom(): raise RuntimeError('no such API')\n"
+            "t._register = boom\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import torch._dynamo\n"
+            "print([str(x.message)[:80] for x in w if 'torch.compile' in str(x.message)])\n")
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    assert "could not register its DTensors with torch.compile" in done.stdout, done.stdout

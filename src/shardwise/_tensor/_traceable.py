@@ -27,6 +27,7 @@ import inspect
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any, Callable, Optional
@@ -177,7 +178,12 @@ _DONE = threading.Event()
 def _register_once() -> None:
     if not _DONE.is_set():
         _DONE.set()
-        _register()
+        try:
+            _register()
+        except Exception as exc:  # noqa: BLE001 - never break `import torch._dynamo` for its other users
+            warnings.warn(f"shardwise could not register its DTensors with torch.compile on torch "
+                          f"{torch.__version__} ({type(exc).__name__}: {exc}); compiled programs over them will "
+                          "break the graph or fail", stacklevel=2)
 
 
 class _AfterDynamo(importlib.abc.MetaPathFinder):
