@@ -80,19 +80,21 @@ def _others_replicated(schema: OpSchema, first: Optional[Layout]) -> tuple[Optio
     return (first,) + (replicate(schema.mesh.ndim),) * (n - 1)
 
 
-@register_op_strategy(_EMPTY_LIKE)
+@register_op_strategy(_EMPTY_LIKE, positions_alike=True)
 def empty_like_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     return OpStrategy([PlacementStrategy(current(spec), _others_replicated(schema, None))])
 
 
-@register_op_strategy(_VALUE_LIKE, local=RANDOM_LOCAL)
+@register_op_strategy(_VALUE_LIKE, local=RANDOM_LOCAL, positions_alike=True)
 def value_like_strategy(schema: OpSchema) -> OpStrategy:
     spec = input_spec(schema)
     return OpStrategy([PlacementStrategy(_without_partial(spec), _others_replicated(schema, None))])
 
 
-@register_op_strategy(NEW_OPS)
+# (positions alike: they read no value, so `new_empty` of a fused projection's parts must not
+# gather them, e.g. in torch's async checkpoint staging, which makes each tensor's copy with it)
+@register_op_strategy(NEW_OPS, positions_alike=True)
 def new_factory_strategy(schema: OpSchema) -> OpStrategy:
     """Same shape as self: follow self (each rank allocates its piece, the size argument is
     rewritten to the local shape); any other shape: Replicate."""

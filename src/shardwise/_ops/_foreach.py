@@ -168,7 +168,7 @@ def _pointwise_child(schema: OpSchema, k: int, where: dict[Key, int], n_flat: in
     return OpStrategy(candidates)
 
 
-@register_op_strategy(FOREACH_POINTWISE_OPS, scalars_free=True)
+@register_op_strategy(FOREACH_POINTWISE_OPS, scalars_free=True, positions_alike=True)
 def foreach_pointwise_strategy(schema: OpSchema) -> TupleStrategy:
     where = _flat_index(schema)
     n = _list_length(schema)
@@ -230,7 +230,7 @@ def _reduction_child(spec: DTensorSpec, idx: int, n_flat: int, reduce_op: Option
     return OpStrategy(candidates)
 
 
-@register_op_strategy(FOREACH_REDUCTION_OPS)
+@register_op_strategy(FOREACH_REDUCTION_OPS, positions_alike=True)
 def foreach_reduction_strategy(schema: OpSchema) -> TupleStrategy:
     where = _flat_index(schema)
     reduce_op = _reduce_op(schema)
@@ -246,7 +246,7 @@ def _without_partial(spec: DTensorSpec) -> Layout:
     return Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements), spec.shard_order)
 
 
-@register_op_strategy(FUSED_OPTIMIZER_OPS, scalars_free=True)
+@register_op_strategy(FUSED_OPTIMIZER_OPS, scalars_free=True, positions_alike=True)
 def fused_optimizer_strategy(schema: OpSchema) -> TupleStrategy:
     """Element k: params[k], grads[k] and every state list's [k] share one layout."""
     where = _flat_index(schema)

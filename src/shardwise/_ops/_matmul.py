@@ -178,4 +178,4 @@ def contraction_strategy(schema: OpSchema) -> OpStrategy:
     return anchored(strategy, specs, [False, True, True] if bias is not None else [True, True])
 
 
-register_op_strategy(list(CONTRACTIONS))(contraction_strategy)
+register_op_strategy(list(CONTRACTIONS), positions_alike=True)(contraction_strategy)

@@ -231,14 +231,14 @@ _ANY_ALL = {
 }
 
 
-@register_op_strategy(list(_SUM_LIKE))
+@register_op_strategy(list(_SUM_LIKE), positions_alike=True)
 def _sum_strategy(schema: OpSchema) -> OpStrategy:
     dims, keepdim = _dims_keepdim(schema, *_SUM_LIKE[schema.op])
     linear = ("sum", "avg") if schema.op in (aten.sum.default, aten.sum.dim_IntList) else ()
     return reduction_strategy(schema, dims, keepdim, ("sum",), keep=linear)
 
 
-@register_op_strategy(list(_MEAN))
+@register_op_strategy(list(_MEAN), positions_alike=True)
 def _mean_strategy(schema: OpSchema) -> OpStrategy:
     dims, keepdim = _dims_keepdim(schema, *_MEAN[schema.op])
     return reduction_strategy(schema, dims, keepdim, ("avg",), keep=("sum", "avg"), even=True)
@@ -295,7 +295,7 @@ _NORMS = {
 }
 
 
-@register_op_strategy(list(_NORMS))
+@register_op_strategy(list(_NORMS), positions_alike=True)
 def _norm_strategy(schema: OpSchema) -> OpStrategy:
     ord_at, dim_at, keepdim_at = _NORMS[schema.op]
     name = "ord" if schema.op is aten.linalg_vector_norm.default else "p"

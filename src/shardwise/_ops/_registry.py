@@ -10,6 +10,8 @@ An `OpRule` is everything shardwise knows about one overload:
 | `relayout` | an in-place op that gives self a new shape or layout (`squeeze_`): self takes the result's |
 | `plain_as_replicated` | plain tensors mixed with DTensors count as replicated (loss_parallel's targets) |
 | `mode` | the mode this rule is the variant for, or None for the op's base rule |
+| `scalars_free` | its float arguments never change a plan (plans cached by their type) |
+| `positions_alike` | it treats every position of a sharded dim alike (fused projections' parts plan as `Shard`) |
 
 `register_op_strategy(ops, ...)` is the one decorator that adds rules; `register_op_kind`
 adds rules that have no strategy (replicated by design). Both refuse a second rule for the
@@ -35,7 +37,7 @@ import enum
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch._decomp import decomposition_table
@@ -90,6 +92,10 @@ class OpRule:
     # cached by their type, not their value (elementwise ops always; foreach and fused
     # optimizer steps by registration), so a value that changes every step makes no new plan
     scalars_free: bool = False
+    # it treats every position of a sharded dim alike (a contraction, a sum, a factory that
+    # reads no value), as elementwise and view ops do: an input split into the parts of a fused
+    # projection (`_StridedShard`) can be planned as a plain `Shard` and read back as parts
+    positions_alike: bool = False
 
     @property
     def floats_by_type(self) -> bool:
@@ -148,6 +154,7 @@ def register_op_strategy(
     mode: Optional[str] = None,
     plain_as_replicated: bool = False,
     scalars_free: bool = False,
+    positions_alike: bool = False,
 ) -> Callable[[StrategyFn], StrategyFn]:
     """Register the decorated strategy function for one aten op overload or a list of them::
 
@@ -157,7 +164,8 @@ def register_op_strategy(
     `local`: a local implementation for every op, or one per op (a mapping); `relayout`: the
     ops among `ops` that give self a new layout in place; `mode`: register the variant used
     while that mode is on (the op's base rule is registered separately); `scalars_free`: the
-    ops' float arguments never change their layouts or shapes (see `OpRule.scalars_free`)."""
+    ops' float arguments never change their layouts or shapes (see `OpRule.scalars_free`);
+    `positions_alike`: they treat every position of a sharded dim alike (`OpRule.positions_alike`)."""
     targets = _targets(ops)
     reshaping = set(relayout)
     where = _caller()
@@ -165,7 +173,8 @@ def register_op_strategy(
     def wrap(fn: StrategyFn) -> StrategyFn:
         for op in targets:
             impl = local.get(op) if isinstance(local, Mapping) else local
-            _add(OpRule(op, kind, fn, impl, op in reshaping, plain_as_replicated, mode, where, scalars_free))
+            _add(OpRule(op, kind, fn, impl, op in reshaping, plain_as_replicated, mode, where, scalars_free,
+                        positions_alike))
         return fn
 
     return wrap

@@ -43,14 +43,6 @@ __all__ = ["Translation", "has_strided", "in_split_backward", "split_plan", "sli
 
 aten = torch.ops.aten
 
-# strategies (besides pointwise and view ops) that treat every position of a sharded dim alike
-# (the factories read no value: `new_empty` of the same shape must not gather, e.g. in
-# torch's async checkpoint staging, which makes each tensor's copy with it)
-_ALIKE = frozenset({
-    "contraction_strategy", "_sum_strategy", "_mean_strategy", "zero_like_strategy", "value_like_strategy",
-    "_norm_strategy", "foreach_pointwise_strategy", "foreach_reduction_strategy", "fused_optimizer_strategy",
-    "empty_like_strategy", "new_factory_strategy",
-})
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 _SLICE, _SLICE_BACKWARD = aten.slice.Tensor, aten.slice_backward.default
 _SPLIT_BACKWARD = frozenset({"SplitBackward0", "SplitWithSizesBackward0"})
@@ -267,7 +259,7 @@ def translatable(rule: OpRule) -> bool:
     """Whether the op treats every position of a sharded dim alike (so the Shard reading holds)."""
     if rule.local is not None or rule.relayout or rule.kind in (OpKind.REPLICATED, OpKind.DECOMPOSED, OpKind.FALLBACK):
         return False
-    return rule.kind in (OpKind.POINTWISE, OpKind.VIEW) or getattr(rule.strategy, "__name__", "") in _ALIKE
+    return rule.kind in (OpKind.POINTWISE, OpKind.VIEW) or rule.positions_alike
 
 
 @dataclass(frozen=True)
