@@ -171,11 +171,15 @@ def test_other_architectures_are_refused_by_name() -> None:
         hf_sequential(nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("local_outputs", [False, True])
 @distributed(world_size=4)
-def test_an_unchanged_hf_llama_trains_as_a_pipeline_of_tensor_parallel_stages() -> None:
+def test_an_unchanged_hf_llama_trains_as_a_pipeline_of_tensor_parallel_stages(local_outputs: bool) -> None:
     # (pp, tp) = (2, 2): each stage's attention and MLP projections cut Megatron-style over tp,
-    # the hidden state crossing stages as a replicated DTensor piece; gradients as one process
-    _llama_over_tensor_parallel_stages(sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")))
+    # the hidden state crossing stages as a replicated DTensor piece, or, under torch's default
+    # styles (local outputs), as a plain tensor; gradients as one process. Regression: with
+    # local outputs the stage's rotary buffer was made a replicated DTensor and met the local
+    # q and k (a ValueError: users had to pass use_local_output=False)
+    _llama_over_tensor_parallel_stages(sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")), local_outputs)
 
 
 @distributed(world_size=3)
@@ -185,7 +189,7 @@ def test_an_unchanged_hf_llama_trains_over_stages_of_different_tp_widths() -> No
                                         sw.DeviceMesh("cpu", [2], mesh_dim_names=("tp",))])
 
 
-def _llama_over_tensor_parallel_stages(mesh: Any) -> None:
+def _llama_over_tensor_parallel_stages(mesh: Any, local_outputs: bool = False) -> None:
     from shardwise import DTensor
     from shardwise.parallel import ColwiseParallel, RowwiseParallel
 
@@ -194,7 +198,10 @@ def _llama_over_tensor_parallel_stages(mesh: Any) -> None:
     reference.eval()
     model = copy.deepcopy(reference)
     layers = hf_sequential(model)
-    col, row = ColwiseParallel(use_local_output=False), RowwiseParallel(use_local_output=False)
+    if local_outputs:  # torch's defaults: plain local outputs, the rest of the stage plain
+        col, row = ColwiseParallel(), RowwiseParallel()
+    else:
+        col, row = ColwiseParallel(use_local_output=False), RowwiseParallel(use_local_output=False)
     plan = {"layer*.layer.self_attn.[qkv]_proj": col, "layer*.layer.self_attn.o_proj": row,
             "layer*.layer.mlp.[gu]*_proj": col, "layer*.layer.mlp.down_proj": row}
     half = len(layers) // 2

@@ -70,5 +70,11 @@ def shard_stage(part: nn.Module, tp_mesh: Optional[DeviceMesh], tp_plan: Optiona
         return
     names = [name for name, _ in part.named_modules() if name]
     mine = {k: style for k, style in tp_plan.items() if any(match(k, name) for name in names)}
-    if mine:  # the stage's other parameters become replicated DTensors, so its ops see DTensors only
-        parallelize_module(part, tp_mesh, mine, replicate_rest=True)
+    if mine:
+        # A plan whose styles hand on DTensors (use_local_output=False) makes the stage's other
+        # parameters and buffers replicated DTensors, so its ops see DTensors only. A torch-style
+        # plan (local outputs, the default) leaves them plain, as torch's parallelize_module
+        # does: its activations are plain between the cut layers, and a replicated buffer
+        # (a rotary embedding's) would meet them as a DTensor.
+        keeps_dtensors = any(getattr(style, "use_local_output", True) is False for style in mine.values())
+        parallelize_module(part, tp_mesh, mine, replicate_rest=keeps_dtensors)
