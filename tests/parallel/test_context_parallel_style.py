@@ -176,6 +176,11 @@ def _bad_input() -> None:
         model(input_ids=ids, attention_mask=torch.ones(1, 1, 16, 16), labels=ids)
     out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)  # the ranks are still in step
     assert out.logits.size(1) == 4
+    # labels on some ranks only: those would all_reduce the loss after the call, the others not
+    # (regression: it waited for the collective timeout); now every rank stops at the entry
+    with pytest.raises(ValueError, match=r"differ in whether labels were passed.*\[1, 0, 1, 0\]"):
+        model(input_ids=ids, labels=ids if dist.get_rank() % 2 == 0 else None)
+    assert model(input_ids=ids, labels=ids).logits.size(1) == 4  # still in step
 
 
 def test_bad_input_to_the_style_is_a_value_error_on_every_rank() -> None:

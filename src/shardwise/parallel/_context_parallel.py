@@ -272,11 +272,14 @@ def context_parallel(mesh: DeviceMesh, *, buffers: Optional[Sequence[torch.Tenso
 @contextlib.contextmanager
 def split_sequence(cp: CpGroup, buffers: list[torch.Tensor], dims: list[int], keep: set[int],
                    position_ids: Optional[torch.Tensor], problem: Optional[Exception] = None,
-                   one_document: bool = False) -> Iterator[CpAttention]:
+                   one_document: bool = False, agree: Optional[tuple[str, int]] = None) -> Iterator[CpAttention]:
     """`context_parallel`'s body on the cp group: agree, cut `buffers` in place, run
     attention context-parallel, restore the buffers not in `keep` (ids). `problem`: an error
     the caller found in its own input, raised on this rank after the ranks agreed;
-    `one_document`: the position ids were made 0..S-1 (no documents to look for)."""
+    `one_document`: the position ids were made 0..S-1 (no documents to look for); `agree`: a
+    (what, value) every rank must give the same value for (say, whether labels were passed),
+    checked in the same exchange, so that ranks that would issue different collectives after
+    the call stop with an error instead."""
     length, layout, positions = 0, None, None
     try:
         if problem is not None:
@@ -291,14 +294,18 @@ def split_sequence(cp: CpGroup, buffers: list[torch.Tensor], dims: list[int], ke
         problem = exc
     # the cp ranks agree before any buffer is cut: a rank with bad input, or a sequence of
     # another length, stops every rank with an error instead of a collective that never matches
-    rows = all_gather_ints([int(problem is not None), length], cp.group, cp.size)
+    rows = all_gather_ints([int(problem is not None), length, agree[1] if agree else 0], cp.group, cp.size)
     if problem is not None:
         raise problem
-    failed = [r for r, (bad, _) in enumerate(rows) if bad]
+    failed = [r for r, (bad, _, _) in enumerate(rows) if bad]
     if failed:
         raise ValueError(f"context_parallel: the input of cp rank(s) {failed} was refused (see their errors); "
                          "nothing was cut")
-    lengths = [n for _, n in rows]
+    values = [v for _, _, v in rows]
+    if agree and len(set(values)) > 1:
+        raise ValueError(f"ContextParallel: the cp ranks differ in {agree[0]}: {values} by cp rank; every cp rank "
+                         "makes the same call, with the same arguments")
+    lengths = [n for _, n, _ in rows]
     if len(set(lengths)) > 1:
         raise ValueError(f"context_parallel: the cp ranks hold sequences of lengths {lengths}; every cp rank passes "
                          "the whole sequence (the same buffers), and context_parallel cuts it")

@@ -151,8 +151,11 @@ class _Runner:
                                  f"a dim {self.seq_dim} of the sequence's length ({self.length}); pass (batch, seq) "
                                  "inputs, or set seq_dim")
         buffers = list(tensors.values())
+        # whether the loss is made whole (one all_reduce after the call) must agree over cp
+        agree = ("whether labels were passed (1) or not (0)", int(whole_loss))
         with split_sequence(self.cp, buffers, [self.seq_dim] * len(buffers), {id(b) for b in buffers}, positions,
-                            problem, self.made_positions) as attention, _checkpoints_under(self.module_ref, attention):
+                            problem, self.made_positions, agree) as attention, \
+                _checkpoints_under(self.module_ref, attention):
             if self.var_kw:
                 named[self.var_kw] = extra
             call = inspect.BoundArguments(self.signature, named)  # type: ignore[arg-type,unused-ignore]
