@@ -3,15 +3,17 @@
 A DTensor is a traceable wrapper subclass (`__tensor_flatten__` / `__tensor_unflatten__`):
 dynamo and AOTAutograd hand it fake pieces, run DTensor dispatch on them, and the door
 turns each collective of a fake piece into one `shardwise::collective` node (`_comm._traced`).
-Three things a tracer cannot follow are given to it whole, as `torch._dynamo.nonstrict_trace`
-calls (dynamo records the call, AOTAutograd traces inside it):
-- making a DTensor from a piece (`from_local`): a wrapper object is built in Python;
-- moving one to other placements (`redistribute`) from shardwise's own hooks;
+What a tracer cannot follow is handled here:
+- making a DTensor from a piece (`from_local`), where a wrapper object is built in Python,
+  and moving one to other placements from shardwise's own hooks (`redistribute_node`) are
+  `torch._dynamo.nonstrict_trace` calls: dynamo records the call, AOTAutograd traces inside;
+- the placements and meshes those take: placements are pytree nodes whose context is their
+  value (so ones made inside the compiled region pass), meshes are pytree constants (made
+  before the region, guarded by equality);
 - hooks that swap module state and run their own collectives (`fully_shard`'s) run eagerly
   (`eager_hook`): dynamo breaks the graph around them, as it does around torch's FSDP2 hooks;
-- the placements and meshes they take: placements are pytree nodes whose context is their
-  value (so ones made inside the compiled region pass), meshes are pytree constants (made
-  before the region, guarded by equality).
+- dynamo never starts a frame in shardwise's code (`_skip_fresh_frames`), the rule it keeps
+  for torch's own: it runs our code only where it inlines it from a compiled caller.
 
 `torch._dynamo` costs seconds to import, so nothing here imports it: the registrations run
 when something else imports it (a post-import hook), or at once if it is already loaded.
