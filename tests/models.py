@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CNN", "GPT", "GPTConfig", "distribute_params", "gpt_batch", "cnn_batch"]
+__all__ = ["CNN", "GPT", "GPTConfig", "ResidualMLP", "distribute_params", "gpt_batch", "cnn_batch"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,18 @@ class Block(nn.Module):
         a = a.transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(a)
         return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class ResidualMLP(nn.Module):
+    """x + down(relu(up(x))), 16 -> 32 -> 16: the block the compile tests shard, by TP
+    (`up` column-split, `down` row-split) and by `fully_shard`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
 
 
 class GPT(nn.Module):

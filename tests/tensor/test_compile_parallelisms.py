@@ -28,14 +28,7 @@ from shardwise.fsdp import fully_shard
 from shardwise.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from shardwise.testing import run_distributed
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
+from ..models import ResidualMLP as Block
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

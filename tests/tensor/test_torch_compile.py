@@ -34,6 +34,8 @@ from torch import nn
 
 from shardwise.testing import run_distributed
 
+from ..models import ResidualMLP as Block
+
 transformers = pytest.importorskip("transformers")
 
 HAS_CXX = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
@@ -105,15 +107,6 @@ def test_a_tensor_parallel_mlp_with_an_uneven_hidden_size_compiles_on_4_ranks() 
     for rank, (counts, err) in enumerate(run_distributed(_tp_mlp, 4, "shardwise", "aot_eager", (4,), 30, timeout=600)):
         assert counts == (1, 0), (rank, counts)
         assert err <= 1e-10, (rank, err)
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
 
 
 def _train(model: nn.Module, ref: nn.Module, x: torch.Tensor, steps: int = 3) -> float:
