@@ -273,7 +273,7 @@ def _same_global_size(call: LocalCall) -> bool:
     return tuple(a.shape) == tuple(b.shape)
 
 
-@register_op_strategy(aten.is_same_size.default, local=_same_global_size, plain_as_replicated=True)
+@register_op_strategy(aten.is_same_size.default, local=_same_global_size, plain_as_replicated=True, metadata_only=True)
 def is_same_size_strategy(schema: OpSchema) -> StrategyType:
     """Metadata only: nothing moves, and a plain tensor beside a DTensor is fine (its shape is
     all that is read), as in torch."""

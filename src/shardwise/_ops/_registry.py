@@ -12,6 +12,12 @@ An `OpRule` is everything shardwise knows about one overload:
 | `mode` | the mode this rule is the variant for, or None for the op's base rule |
 | `scalars_free` | its float arguments never change a plan (plans cached by their type) |
 | `positions_alike` | it treats every position of a sharded dim alike (fused projections' parts plan as `Shard`) |
+| `metadata_only` | it reads only metadata, so a rank outside the mesh answers as one inside it (`is_same_size`) |
+| `outside_answer` | what a rank outside the mesh returns, as torch's empty pieces would answer (`equal`: True) |
+
+Facts read off the op itself are properties of the rule: `decomposition`, `lazy_view` (the
+result is a lazy conj/neg view), `per_element` (a `_foreach_*` / `_fused_*` op), and what it
+writes and returns (`written`, `returns_written`, `returns_nothing`, `fresh_outputs`, `inplace`).
 
 `register_op_strategy(ops, ...)` is the one decorator that adds rules; `register_op_kind`
 adds rules that have no strategy (replicated by design). Both refuse a second rule for the
@@ -37,7 +43,7 @@ import enum
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch._decomp import decomposition_table
@@ -96,6 +102,59 @@ class OpRule:
     # reads no value), as elementwise and view ops do: an input split into the parts of a fused
     # projection (`_StridedShard`) can be planned as a plain `Shard` and read back as parts
     positions_alike: bool = False
+    # it reads only metadata: a rank outside the mesh answers it as a rank inside does
+    metadata_only: bool = False
+    # what a rank outside the mesh returns (torch's empty pieces compare equal), if not tensors
+    outside_answer: Optional[bool] = None
+
+    @property
+    def decomposition(self) -> Callable[..., Any]:
+        """PyTorch's decomposition of the op (a `DECOMPOSED` rule runs it), else its composite kernel."""
+        return decomposition_table.get(self.op) or self.op.decompose
+
+    @property
+    def lazy_view(self) -> bool:
+        """Whether the op returns a lazy conjugate / negative view (a bit on the tensor), which a
+        piece must materialize: its wrapper could not carry the bit."""
+        return self.op._schema.name in _LAZY_VIEWS
+
+    @property
+    def per_element(self) -> bool:
+        """A `_foreach_*` / `_fused_*` op: element k of each list meets only element k of the others."""
+        name = self.op._schema.name
+        return name.startswith("aten::_foreach_") or name.startswith("aten::_fused_")
+
+    def written(self, n_args: int) -> set[Union[int, str]]:
+        """Positions / names of the arguments a call with `n_args` positional arguments writes
+        (in-place self, out= tensors)."""
+        found: set[Union[int, str]] = set()
+        for k, a in enumerate(self.op._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                found.add(a.name if a.kwarg_only or k >= n_args else k)
+        return found
+
+    @property
+    def returns_written(self) -> bool:
+        """Whether the op returns the arguments it writes (`add_`, `out=`) rather than new tensors
+        (batch norm writes its running statistics but returns fresh outputs)."""
+        returns = self.op._schema.returns
+        return not returns or any(r.alias_info is not None and r.alias_info.is_write for r in returns)
+
+    @property
+    def returns_nothing(self) -> bool:
+        """A `-> ()` op (`_foreach_add_`): it must return None to torch."""
+        return not self.op._schema.returns
+
+    @property
+    def fresh_outputs(self) -> bool:
+        """Whether every output is a new tensor (no view or alias of an argument)."""
+        return not any(r.alias_info is not None for r in self.op._schema.returns)
+
+    @property
+    def inplace(self) -> bool:
+        """Whether the op writes its first argument (self) in place."""
+        arguments = self.op._schema.arguments
+        return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
 
     @property
     def floats_by_type(self) -> bool:
@@ -109,6 +168,8 @@ class OpRule:
         return f"{self.op}{mode}: {self.kind.value}" + (f" ({', '.join(extra)})" if extra else "")
 
 
+# the ops whose result is a lazy conjugate / negative view of their input (no copy made)
+_LAZY_VIEWS = frozenset({"aten::_conj", "aten::_neg_view"})
 _RULES: dict[tuple[OpOverload, Optional[str]], OpRule] = {}
 _DERIVED: dict[OpOverload, OpRule] = {}
 _MODAL: set[OpOverload] = set()  # ops with a variant for some mode
@@ -155,6 +216,7 @@ def register_op_strategy(
     plain_as_replicated: bool = False,
     scalars_free: bool = False,
     positions_alike: bool = False,
+    metadata_only: bool = False,
 ) -> Callable[[StrategyFn], StrategyFn]:
     """Register the decorated strategy function for one aten op overload or a list of them::
 
@@ -165,7 +227,8 @@ def register_op_strategy(
     ops among `ops` that give self a new layout in place; `mode`: register the variant used
     while that mode is on (the op's base rule is registered separately); `scalars_free`: the
     ops' float arguments never change their layouts or shapes (see `OpRule.scalars_free`);
-    `positions_alike`: they treat every position of a sharded dim alike (`OpRule.positions_alike`)."""
+    `positions_alike`: they treat every position of a sharded dim alike (`OpRule.positions_alike`);
+    `metadata_only`: they read only metadata (`OpRule.metadata_only`)."""
     targets = _targets(ops)
     reshaping = set(relayout)
     where = _caller()
@@ -174,7 +237,7 @@ def register_op_strategy(
         for op in targets:
             impl = local.get(op) if isinstance(local, Mapping) else local
             _add(OpRule(op, kind, fn, impl, op in reshaping, plain_as_replicated, mode, where, scalars_free,
-                        positions_alike))
+                        positions_alike, metadata_only))
         return fn
 
     return wrap
@@ -186,15 +249,18 @@ def register_op_kind(
     *,
     local: Union[LocalFn, Mapping[OpOverload, LocalFn], None] = None,
     relayout: Iterable[OpOverload] = (),
+    outside_answers: Optional[Mapping[OpOverload, bool]] = None,
 ) -> None:
-    """Register rules without a strategy (`OpKind.REPLICATED`: run whole on every rank)."""
+    """Register rules without a strategy (`OpKind.REPLICATED`: run whole on every rank);
+    `outside_answers`: what a rank outside the mesh returns for some of them (`OpRule.outside_answer`)."""
     if kind is not OpKind.REPLICATED:
         raise ValueError(f"register_op_kind registers {OpKind.REPLICATED}, got {kind}: give other kinds a strategy")
     reshaping = set(relayout)
     where = _caller()
     for op in _targets(ops):
         impl = local.get(op) if isinstance(local, Mapping) else local
-        _add(OpRule(op, kind, None, impl, op in reshaping, False, None, where))
+        answer = None if outside_answers is None else outside_answers.get(op)
+        _add(OpRule(op, kind, None, impl, op in reshaping, False, None, where, outside_answer=answer))
 
 
 def _writes_an_argument(op: OpOverload) -> bool:

@@ -64,4 +64,5 @@ register_op_kind(
     OpKind.REPLICATED,
     local={op: _storage_op for op in STORAGE_OPS},
     relayout=[aten.as_strided_.default, aten.resize_.default, aten.resize_as_.default],
+    outside_answers={aten.equal.default: True, aten.allclose.default: True},  # empty pieces compare equal
 )
