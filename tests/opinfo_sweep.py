@@ -245,11 +245,12 @@ class _Trace:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
+        from shardwise._ops import _plan
         from shardwise._tensor import _dispatch
         from shardwise._tensor._dtensor import DTensor
 
-        # DTensor's dispatch entry (a class attribute), and the propagator as the dispatcher calls it.
-        orig_entry, orig_propagate = DTensor.__dict__["__torch_dispatch__"], getattr(_dispatch, "propagate")
+        # DTensor's dispatch entry (a class attribute), and the propagator as plan making calls it.
+        orig_entry, orig_propagate = DTensor.__dict__["__torch_dispatch__"], getattr(_plan, "propagate")
 
         def entry(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             self.last = func
@@ -263,12 +264,12 @@ class _Trace:
             return result
 
         setattr(DTensor, "__torch_dispatch__", classmethod(entry))
-        setattr(_dispatch, "propagate", propagate)
+        setattr(_plan, "propagate", propagate)
         try:
             yield
         finally:
             setattr(DTensor, "__torch_dispatch__", orig_entry)
-            setattr(_dispatch, "propagate", orig_propagate)
+            setattr(_plan, "propagate", orig_propagate)
 
 
 def _run_op(op: Any, key: str, mesh: Any, samples: int, trace: _Trace) -> dict[str, Any]:

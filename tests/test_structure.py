@@ -134,3 +134,32 @@ def test_no_module_over_500_lines() -> None:
     long = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     over = {name: n for name, n in long.items() if n > MAX_LINES}
     assert not over, f"modules over {MAX_LINES} lines (split them by job): {over}"
+
+
+# What deciding an op's layout looks like in code: propagation and its types, the strategy
+# functions, the strided translation (`as_shard`), and the rule's layout facts.
+_LAYOUT_NAMES = frozenset({"propagate", "OpSchema", "OutputSharding", "OpStrategy", "PlacementStrategy", "TupleStrategy",
+                           "StrategyType", "redistribute_cost", "get_op_strategy", "as_shard"})
+_LAYOUT_ATTRIBUTES = frozenset({"strategy", "output_spec", "output_meta", "positions_alike"})
+
+
+def layout_decisions(path: Path) -> list[str]:
+    """Where a module imports or reads one of `_LAYOUT_NAMES` / `_LAYOUT_ATTRIBUTES`, as 'line: name'."""
+    found: list[str] = []
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if a.name in _LAYOUT_NAMES]
+        elif isinstance(node, ast.Attribute) and node.attr in _LAYOUT_NAMES | _LAYOUT_ATTRIBUTES:
+            found.append(f"{node.lineno}: .{node.attr}")
+    return sorted(found, key=lambda s: int(s.split(":")[0]))
+
+
+def test_no_module_under_tensor_decides_an_op_layout() -> None:
+    """Plan making is one pure step in `_ops` (`make_plan`): `_tensor` keeps the plan cache
+    and the runners, and never propagates, reads a strategy or translates a strided layout."""
+    modules = _modules()
+    found = {name: layout_decisions(path) for name, path in modules.items() if name.startswith(f"{ROOT}._tensor")}
+    found = {name: lines for name, lines in found.items() if lines}
+    assert not found, "layout decided under _tensor (make it part of _ops.make_plan):\n" + "\n".join(
+        f"  {name}: {', '.join(lines)}" for name, lines in sorted(found.items()))
+    assert "make_plan" in modules[f"{ROOT}._ops._plan"].read_text()

@@ -6,7 +6,9 @@ mode), so the order the families are imported in never changes an answer.
 
 from . import _conv, _embedding, _factory, _foreach, _index, _matmul, _nll, _nn, _norm, _pointwise  # noqa: F401
 from . import _fft, _linalg, _loss, _loss_parallel, _misc, _reduction, _replicated, _shape, _spatial, _view  # noqa: F401
+from ._call import Location, OpCall, PlainTensor
 from ._local import LocalCall, LocalFn, Runtime
+from ._plan import OpPlan, make_plan
 from ._propagate import is_strict, propagate, redistribute_cost, set_strict, strategy_calls
 from ._registry import (
     ACTIVE_MODES,
@@ -38,12 +40,16 @@ __all__ = [
     "Layout",
     "LocalCall",
     "LocalFn",
+    "Location",
+    "OpCall",
     "OpKind",
+    "OpPlan",
     "OpRule",
     "OpSchema",
     "OpStrategy",
     "OutputSharding",
     "PlacementStrategy",
+    "PlainTensor",
     "Runtime",
     "ScalarTensor",
     "StrategyType",
@@ -52,6 +58,7 @@ __all__ = [
     "expand_to_mesh",
     "get_op_strategy",
     "is_strict",
+    "make_plan",
     "op_mode",
     "propagate",
     "redistribute_cost",

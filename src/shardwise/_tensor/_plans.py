@@ -28,7 +28,7 @@ import torch
 
 from .._layout import dense_strides_like
 from .._mesh import AbstractMesh
-from .._ops import LocalCall, LocalFn
+from .._ops import LocalCall, LocalFn, Location
 from .._placement import Replicate
 from .._redistribute import run_program
 from .._spec import DTensorSpec, TensorMeta
@@ -41,9 +41,6 @@ _piece_of = operator.attrgetter("_local_tensor")  # in C: no Python frame per ar
 
 __all__ = ["ByMeshPlan", "DecomposedPlan", "GeneralPlan", "LeanPlan", "Location", "OutsidePlan", "Plan", "RestridedPlan",
            "ViewPlan", "empty_piece", "implicit", "implicit_replication", "misplaced", "restride"]
-
-# Where a DTensor input sits: (positional index or keyword name, index in a list or None).
-Location = tuple[Union[int, str], Optional[int]]
 
 _IMPLICIT: contextvars.ContextVar[bool] = contextvars.ContextVar("shardwise_implicit_replication", default=False)
 
