@@ -7,7 +7,9 @@ replicated, over meshes (4,) and (2, 2), with uneven shapes. Their state tensors
 is on: every op of the step must have a strategy (no replicated fallback). With gradients in
 their parameters' layouts the step runs on the local pieces as plain tensors (no DTensor op,
 state made in the parameters' layouts); in other layouts, through DTensor dispatch. A step
-that raises is undone before the next step and before `state_dict()`.
+that raises is undone before the next step and before `state_dict()`. The swap is kept from
+step to step, and what a user changes between steps (a state tensor, a group, a piece, a
+state_dict round trip) reaches the next step.
 """
 
 from __future__ import annotations
@@ -160,3 +162,46 @@ def test_a_step_that_raises_is_undone_before_the_next_step_and_before_state_dict
         opt.step()
         opt_ref.step()
         torch.testing.assert_close(p.full_tensor(), ref.detach())
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused", "for_loop"])
+@distributed(world_size=2)
+def test_the_kept_swap_sees_what_changed_between_steps(kind: str) -> None:
+    """The local step's swap is kept from step to step (`_local_step._Cache`): a plain parameter
+    beside the DTensors, a state tensor replaced, a group added, a state_dict round trip and a
+    parameter's piece replaced between steps each reach the next step as they would plain."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    flags = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for_loop": dict(foreach=False)}[kind]
+    g = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(6, 4, generator=g), torch.randn(5, generator=g), torch.randn(3, 2, generator=g)]
+    ref = [f.clone().requires_grad_() for f in fulls]
+    params = [sw.distribute_tensor(fulls[0].clone(), mesh, [Shard(0)]).requires_grad_(),
+              fulls[1].clone().requires_grad_(),  # a plain parameter in the same group
+              sw.distribute_tensor(fulls[2].clone(), mesh, [Shard(1)]).requires_grad_()]
+    extra_full = torch.randn(4, 4, generator=g)
+    extra_ref = extra_full.clone().requires_grad_()
+    extra = sw.distribute_tensor(extra_full.clone(), mesh, [Shard(1)]).requires_grad_()
+    opt, opt_ref = torch.optim.AdamW(params, lr=0.1, **flags), torch.optim.AdamW(ref, lr=0.1, **flags)
+    for step in range(7):
+        for qs, o in ((params + ([extra] if step >= 3 else []), opt), (ref + ([extra_ref] if step >= 3 else []), opt_ref)):
+            o.zero_grad()
+            sum(((q * q * q).sum() for q in qs)).backward()  # type: ignore[union-attr]
+        if step == 2:  # a state tensor replaced (a user resetting a moment)
+            for q, r in ((params[0], ref[0]), (params[1], ref[1])):
+                opt.state[q]["exp_avg"] = torch.zeros_like(q)
+                opt_ref.state[r]["exp_avg"] = torch.zeros_like(r)
+        if step == 3:
+            opt.add_param_group({"params": [extra], "lr": 0.05})
+            opt_ref.add_param_group({"params": [extra_ref], "lr": 0.05})
+        if step == 5:  # a checkpoint round trip
+            opt.load_state_dict(opt.state_dict())
+        if step == 6:  # a parameter given a new piece (its values copied)
+            with torch.no_grad():
+                params[0]._local_tensor = params[0]._local_tensor.clone()  # type: ignore[attr-defined]
+        opt.step()
+        opt_ref.step()
+        for q, r in zip(params + [extra], ref + [extra_ref]):
+            whole = q.full_tensor() if isinstance(q, sw.DTensor) else q
+            torch.testing.assert_close(whole, r.detach(), msg=lambda m: f"step {step}: {m}")
+        assert all(isinstance(v, sw.DTensor) for q in (params[0], params[2]) for v in opt.state[q].values() if v.dim())
+        assert set(opt.state) == set(params + ([extra] if step >= 3 else [])), "the state is keyed by the parameters"

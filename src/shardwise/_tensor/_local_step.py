@@ -11,6 +11,12 @@ post-hook puts the DTensors back, wrapping the state a first step made in the pa
 layout. Host time is then the plain step's plus one pass over the parameters each way,
 rather than one DTensor dispatch per foreach op and per parameter in `_init_group`.
 
+The swap is made once and kept (`_Cache`): each step checks, by identity and in C-level passes
+(`map`), that the groups, the pieces, the gradients' specs and the state dicts and their
+values are those it was made from, so a step costs about a microsecond per parameter (the
+gradients set and cleared, the state dicts put in and taken out). Anything changed since --
+a group added, a state tensor replaced, a step that made new state -- is read afresh.
+
 The step falls back to DTensor dispatch, unchanged, for any other optimizer (subclasses
 included: one may override `step` with other math), a `differentiable` one, or a parameter
 whose gradient is in another layout. A step that raises leaves its swap to be undone by the
@@ -19,11 +25,16 @@ next step, `state_dict()` or `load_state_dict()`, whichever comes first.
 
 from __future__ import annotations
 
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any, Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .._spec import DTensorSpec
 from ._async import Pending
 from ._wrap import DTensorBase, wrap
 
@@ -35,10 +46,127 @@ ELEMENTWISE: frozenset[type] = frozenset({
     torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
 })
 
-_SWAP_ATTR, _HOOKED_ATTR = "_shardwise_local_step", "_shardwise_local_step_hooked"
+_SWAP_ATTR, _CACHE_ATTR, _HOOKED_ATTR = "_shardwise_local_step", "_shardwise_local_step_cache", "_shardwise_local_step_hooked"
+_LOCAL_OF, _GRAD_OF, _SPEC_OF = (operator.attrgetter(n) for n in ("_local_tensor", "grad", "_spec"))
+_is = operator.is_
+_NO_STATE: dict[str, Any] = {}  # (never written: what `state.get` answers for a parameter without state)
+_VALUES = dict.values
 
-# one swapped parameter: (its group's params list, its index there, the DTensor, its piece)
-_Swapped = tuple[list[Any], int, DTensorBase, torch.Tensor]
+
+@dataclass(eq=False)
+class _Cache:
+    """One optimizer's swap, kept from step to step and checked by identity before each.
+
+    `groups`: each group with the `params` list it had and that list with every DTensor's piece
+    in its place (`snapshot`: the list's elements); `params` / `locals`: the DTensor parameters
+    in order and their pieces; `grad_specs`: the gradient specs last found to be each
+    parameter's layout; `owners` / `keys`: every parameter, and what the local step keys its
+    state by (a DTensor's piece, a plain tensor itself). The state part is None until read:
+    `mines` each owner's state dict, `mine_values` their values in a row; `shadow` the state
+    the local step runs with (a DTensor's state as pieces, a plain tensor's own dict),
+    `shadow_values` its dicts' values in a row, `shadow_len` its size."""
+
+    groups: list[tuple[dict[str, Any], list[Any], list[Any]]]
+    snapshot: list[tuple[Any, ...]]
+    params: list[DTensorBase]
+    locals: list[torch.Tensor]
+    grad_specs: list[Optional[DTensorSpec]]
+    owners: list[torch.Tensor]
+    keys: list[torch.Tensor]
+    mines: Optional[list[dict[str, Any]]] = None
+    mine_values: tuple[Any, ...] = ()
+    shadow: defaultdict[torch.Tensor, dict[str, Any]] = field(default_factory=lambda: defaultdict(dict))
+    shadow_values: tuple[Any, ...] = ()
+    shadow_len: int = 0
+
+    def holds(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer's groups and parameters' pieces are still the ones cached."""
+        groups = opt.param_groups
+        if len(groups) != len(self.groups):
+            return False
+        for group, (kept, params, _), snap in zip(groups, self.groups, self.snapshot):
+            now = group["params"]
+            if group is not kept or now is not params or len(now) != len(snap) or not all(map(_is, now, snap)):
+                return False
+        return all(map(_is, map(_LOCAL_OF, self.params), self.locals))
+
+    def pieces(self, grads: list[Any]) -> Optional[list[Optional[torch.Tensor]]]:
+        """The gradients' pieces, or None if one is not a DTensor in its parameter's layout."""
+        try:  # every gradient a DTensor with the spec it had last step: one pass in C
+            if all(map(_is, map(_SPEC_OF, grads), self.grad_specs)):
+                pieces: list[Optional[torch.Tensor]] = list(map(_LOCAL_OF, grads))
+                if Pending in set(map(type, pieces)):
+                    pieces = [g.wait() if type(g) is Pending else g for g in pieces]
+                return pieces
+        except AttributeError:  # a gradient None or plain
+            pass
+        pieces = []
+        for k, (p, g) in enumerate(zip(self.params, grads)):
+            if g is None:
+                pieces.append(None)
+                continue
+            if not isinstance(g, DTensorBase):
+                return None  # a plain gradient: the DTensor step says what it means
+            spec = g._spec
+            if spec is not self.grad_specs[k]:
+                if spec is not p._spec and spec != p._spec:
+                    return None  # a gradient in another layout: the DTensor step moves it
+                self.grad_specs[k] = spec
+            piece = g._local_tensor
+            pieces.append(piece.wait() if type(piece) is Pending else piece)
+        return pieces
+
+    def read_state(self, state: dict[Any, Any]) -> bool:
+        """Makes `shadow` the state the local step runs with, from the optimizer's `state`;
+        False if a state tensor is laid out otherwise than its parameter."""
+        mines = list(map(state.get, self.owners, repeat(_NO_STATE)))
+        if (self.mines is not None and all(map(_is, mines, self.mines)) and sum(map(len, mines)) == len(self.mine_values)
+                and all(map(_is, chain.from_iterable(map(_VALUES, mines)), self.mine_values))):
+            return True  # (`_after` checked that the last step changed none of the shadow's)
+        shadow: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        for owner, key, mine in zip(self.owners, self.keys, mines):
+            if mine:
+                if owner is key:
+                    shadow[key] = mine
+                    continue
+                moved = _local_state(mine, owner)  # type: ignore[arg-type]  # a DTensor: its key is its piece
+                if moved is None:
+                    return False
+                shadow[key] = moved
+        self.mines, self.shadow = mines, shadow
+        self.mine_values = tuple(chain.from_iterable(map(_VALUES, mines)))
+        self.shadow_values = tuple(chain.from_iterable(map(_VALUES, shadow.values())))
+        self.shadow_len = len(shadow)
+        return True
+
+    def unchanged(self) -> bool:
+        """Whether the step left the shadow as it was given (every state tensor updated in place)."""
+        shadow = self.shadow
+        return (len(shadow) == self.shadow_len and sum(map(len, shadow.values())) == len(self.shadow_values)
+                and all(map(_is, chain.from_iterable(map(_VALUES, shadow.values())), self.shadow_values)))
+
+
+def _build(opt: torch.optim.Optimizer) -> _Cache:
+    groups: list[tuple[dict[str, Any], list[Any], list[Any]]] = []
+    snapshot: list[tuple[Any, ...]] = []
+    params: list[DTensorBase] = []
+    locals_: list[torch.Tensor] = []
+    for group in opt.param_groups:
+        plist = group["params"]
+        swapped = list(plist)
+        for i, p in enumerate(plist):
+            if isinstance(p, DTensorBase):
+                local = p._local_tensor
+                if type(local) is Pending:
+                    local = local.wait()
+                swapped[i] = local
+                params.append(p)
+                locals_.append(local)
+        groups.append((group, plist, swapped))
+        snapshot.append(tuple(plist))
+    owners = [p for _, plist, _ in groups for p in plist]
+    keys = [p for _, _, swapped in groups for p in swapped]
+    return _Cache(groups, snapshot, params, locals_, [None] * len(params), owners, keys)
 
 
 def _local_state(mine: dict[str, Any], p: DTensorBase) -> Optional[dict[str, Any]]:
@@ -59,43 +187,22 @@ def _before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _after(opt, args, kwargs)  # a step that raised left its swap: undo it first
     if type(opt) not in ELEMENTWISE:
         return
-    state = opt.state
-    swapped: list[_Swapped] = []
-    states: list[tuple[torch.Tensor, dict[str, Any]]] = []
-    for group in opt.param_groups:
-        if group.get("differentiable"):
-            return
-        params = group["params"]
-        for i, p in enumerate(params):
-            if not isinstance(p, DTensorBase):
-                continue
-            grad = p.grad
-            if grad is not None and not (isinstance(grad, DTensorBase) and (grad._spec is p._spec
-                                                                             or grad._spec == p._spec)):
-                return  # a gradient in another layout: the DTensor step moves it
-            local = p._local_tensor
-            if type(local) is Pending:
-                local = local.wait()
-            mine = state.get(p)
-            if mine:
-                moved = _local_state(mine, p)
-                if moved is None:
-                    return
-                states.append((local, moved))
-            swapped.append((params, i, p, local))
-    if not swapped:
+    cache: Optional[_Cache] = opt.__dict__.get(_CACHE_ATTR)
+    if cache is None or not cache.holds(opt):
+        cache = opt.__dict__[_CACHE_ATTR] = _build(opt)
+    if not cache.params or any(g.get("differentiable") for g in opt.param_groups):
         return
-    for params, i, p, local in swapped:  # (nothing changed until every parameter was checked)
-        grad = p.grad
-        if grad is None:
-            local.grad = None
-        else:
-            g = grad._local_tensor  # type: ignore[attr-defined]
-            local.grad = g.wait() if type(g) is Pending else g
-        params[i] = local
-    for local, moved in states:
-        state[local] = moved
-    opt.__dict__[_SWAP_ATTR] = swapped
+    pieces = cache.pieces(list(map(_GRAD_OF, cache.params)))
+    state = opt.state
+    if pieces is None or not cache.read_state(state):
+        return  # a gradient or a state tensor in another layout: the DTensor step moves it
+    # nothing changed until every parameter was checked
+    for group, _, swapped in cache.groups:
+        group["params"] = swapped
+    for local, piece in zip(cache.locals, pieces):  # (None clears a gradient)
+        local.grad = piece
+    opt.state = cache.shadow
+    opt.__dict__[_SWAP_ATTR] = (cache, state)
     if not opt.__dict__.get(_HOOKED_ATTR):  # a swap a raising step left is undone before any state_dict too
         opt.__dict__[_HOOKED_ATTR] = True
         opt.register_state_dict_pre_hook(_undo)
@@ -107,22 +214,33 @@ def _undo(opt: torch.optim.Optimizer, *rest: Any) -> None:
 
 
 def _after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    swapped: Optional[list[_Swapped]] = opt.__dict__.pop(_SWAP_ATTR, None)
-    if swapped is None:
+    swap: Optional[tuple[_Cache, defaultdict[Any, dict[str, Any]]]] = opt.__dict__.pop(_SWAP_ATTR, None)
+    if swap is None:
         return
-    state = opt.state
-    for params, i, p, local in swapped:
-        params[i] = p
+    cache, state = swap
+    opt.state = state
+    for group, params, _ in cache.groups:
+        group["params"] = params
+    for local in cache.locals:
         local.grad = None
-        made = state.pop(local, None)
+    if cache.unchanged():
+        return  # updated in place, as every step after an optimizer's first
+    cache.mines = None  # the next step reads the state afresh
+    shadow = cache.shadow
+    for owner, key in zip(cache.owners, cache.keys):
+        made = shadow.get(key)
         if made is None:
             continue
-        kept = state[p]
-        for k, v in made.items():
-            old = kept.get(k)
+        if owner is key:  # a plain tensor's state: its own
+            if state.get(owner) is not made:
+                state[owner] = made
+            continue
+        mine = state[owner]
+        for name, v in made.items():
+            old = mine.get(name)
             if old is v or (isinstance(old, DTensorBase) and old._local_tensor is v):
                 continue  # updated in place
-            kept[k] = _as_state(v, p) if isinstance(v, torch.Tensor) else v
+            mine[name] = _as_state(v, owner) if isinstance(v, torch.Tensor) else v  # type: ignore[arg-type]
 
 
 def _as_state(v: torch.Tensor, p: DTensorBase) -> Any:
