@@ -3,16 +3,19 @@
 Each loop trains a tiny model with an optimizer whose scalars change every step (AdamW's
 bias corrections, a cosine learning-rate schedule). The loops, on gloo ranks:
 
-- tensor parallel (2 ranks) with foreach, fused and for-loop AdamW and momentum SGD;
-- ZeRO-3 (`fully_shard`, 2 ranks) with foreach AdamW;
-- dp x tp (4 ranks, mesh (2, 2)): Colwise/Rowwise over tp, then `fully_shard` over dp,
-  foreach AdamW (torchtitan's 2-D recipe);
-- a 1F1B pipeline (`DistributedPipe`, 2 stages, 4 micro-batches) with foreach AdamW;
+- tensor parallel (2 ranks);
+- ZeRO-3 (`fully_shard`, 2 ranks);
+- dp x tp (4 ranks, mesh (2, 2)): Colwise/Rowwise over tp, then `fully_shard` over dp
+  (torchtitan's 2-D recipe);
+- a 1F1B pipeline (`DistributedPipe`, 2 stages, 4 micro-batches);
 - the `ContextParallel()` plan style (2 ranks, ring rotation) on a one-layer Hugging Face
-  Llama with foreach AdamW;
+  Llama;
 - the compiled replay: `shardwise.compile` of a whole tensor-parallel train step (forward,
-  backward, foreach AdamW's step, zero_grad): one program, traced on the second call and
+  backward, the optimizer's step, zero_grad): one program, traced on the second call and
   replayed on every later one (checked at every step).
+
+Each eager loop runs with foreach, fused and for-loop AdamW and with foreach momentum SGD;
+the compiled replay with foreach and for-loop AdamW.
 
 The context-parallel options are module state that outlives a test in the worker pool:
 the loop sets them itself.
@@ -206,9 +209,13 @@ def _loop(parallel: str, kind: str) -> Growth:
         return _long_run(step)
 
 
-@pytest.mark.parametrize("parallel, kind", [("tp", "foreach"), ("tp", "fused"), ("tp", "for-loop"), ("tp", "sgd"),
-                                            ("zero3", "foreach"), ("dp-x-tp", "foreach"), ("1f1b", "foreach"),
-                                            ("context-parallel", "foreach"), ("compiled-tp", "foreach")])
+# every eager loop with each optimizer; the compiled replay with the AdamWs it replays as one
+# program under a schedule (fused AdamW and SGD read the lr as a Python float: see the README)
+CASES = [(loop, kind) for loop in LOOPS if loop != "compiled-tp" for kind in ("foreach", "fused", "for-loop", "sgd")]
+CASES += [("compiled-tp", "foreach"), ("compiled-tp", "for-loop")]
+
+
+@pytest.mark.parametrize("parallel, kind", CASES)
 def test_a_long_training_loop_grows_no_objects_and_no_caches(parallel: str, kind: str) -> None:
     if parallel == "context-parallel":
         pytest.importorskip("transformers")
