@@ -15,7 +15,7 @@ bias corrections, a cosine learning-rate schedule). The loops, on gloo ranks:
   replayed on every later one (checked at every step).
 
 Each eager loop runs with foreach, fused and for-loop AdamW and with foreach momentum SGD;
-the compiled replay with foreach and for-loop AdamW.
+the compiled replay with foreach, fused and for-loop AdamW.
 
 The context-parallel options are module state that outlives a test in the worker pool:
 the loop sets them itself.
@@ -210,9 +210,9 @@ def _loop(parallel: str, kind: str) -> Growth:
 
 
 # every eager loop with each optimizer; the compiled replay with the AdamWs it replays as one
-# program under a schedule (fused AdamW and SGD read the lr as a Python float: see the README)
+# program under a schedule (SGD reads the lr as a Python float: see the README)
 CASES = [(loop, kind) for loop in LOOPS if loop != "compiled-tp" for kind in ("foreach", "fused", "for-loop", "sgd")]
-CASES += [("compiled-tp", "foreach"), ("compiled-tp", "for-loop")]
+CASES += [("compiled-tp", "foreach"), ("compiled-tp", "fused"), ("compiled-tp", "for-loop")]
 
 
 @pytest.mark.parametrize("parallel, kind", CASES)

@@ -195,6 +195,7 @@ _ADAMS: list[tuple[str, Any]] = [
     ("AdamW foreach amsgrad maximize",
      lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, maximize=True, foreach=True)),
     ("Adam foreach weight_decay", lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, foreach=True)),
+    ("AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)),
 ]
 # The replay computes Adam's bias corrections from the step tensor, kept in float64 (torch's
 # capturable path), eager in Python floats: they agree; the update's formula differs in its
@@ -215,6 +216,9 @@ def _adam_case(mesh_shape: tuple[int, ...]) -> None:
             for call in range(5):
                 what = f"mesh {mesh_shape} {label} call {call}"
                 x = seeded(4, 8, seed=30 + call)
+                for o in opts:  # a schedule's new lr every call: an input of the one program, not a constant
+                    for group in o.param_groups:
+                        group["lr"] = 1e-2 / (1 + call)
                 with _DispatchCounter() as counter:
                     got = step(models[0], opts[0], sw.distribute_tensor(x, mesh, x_lay))
                 if call >= 2:  # call 0 creates the state (eager), call 1 traces, then replays
@@ -234,9 +238,11 @@ def _adam_case(mesh_shape: tuple[int, ...]) -> None:
                             torch.testing.assert_close(_value(state[k]), _value(eager_state[k]), **ADAM_TOL,
                                                        msg=lambda m: f"{what} {name} {k}\n{m}")
                     # from the second call on, the step count is one float64 tensor the replay increments
-                    # in place, never a new one (the first, eager, call made it float32)
+                    # in place, never a new one (the first, eager, call made it float32; a fused kernel
+                    # reads it as it is)
                     if call >= 1:
-                        assert state["step"].dtype == torch.float64, f"{what} {name}: {state['step'].dtype}"
+                        fused = opts[0].param_groups[0]["fused"]
+                        assert fused or state["step"].dtype == torch.float64, f"{what} {name}: {state['step'].dtype}"
                         assert state["step"] is steps.setdefault(name, state["step"]), f"{what} {name}: step rebound"
                     assert state["step"].item() == eager_state["step"].item() == call + 1, f"{what} {name}"
         done = f"mesh {mesh_shape} {label}"

@@ -43,7 +43,8 @@ makes it float32), so the bias corrections round as eager's Python floats do and
 step differs from eager only by the capturable formula's order of operations (about 1e-16
 relative in float64). The learning rate of those groups is an input too, a 0-dim float64
 tensor made from the group's `lr` on every call, so a learning-rate schedule replays one
-program (`_compile_adam`); SGD turns a tensor lr back into a Python number, so its `lr` stays
+program (`_compile_adam`). A fused Adam/AdamW reads its step count from the state tensor in
+its kernel, so only its lr is made an input. SGD turns a tensor lr back into a Python number, so its `lr` stays
 part of the signature and SGD under a schedule is traced anew whenever the lr changes. A
 compiled function keeps its `MAX_SIGNATURES` most recent programs, dropping the oldest with a
 one-time warning, so such a loop is slow but does not grow. The

@@ -7,7 +7,8 @@ learning rate read as a Python float is baked in too, so a schedule's new lr eve
 would be a new signature, traced anew (one program more each step). While tracing, each
 Adam/AdamW argument whose parameters are on the CPU steps on the capturable path instead,
 with its lr a 0-dim float64 tensor passed in on every call: the replay computes both from
-the current values.
+the current values. A fused Adam/AdamW reads its step count from the state tensor in its
+kernel already; only its lr is made an input.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ def _reads_step_count(group: dict[str, Any]) -> bool:
     path can stand in during a trace: neither `capturable` nor `differentiable` nor `fused`,
     and every parameter on the CPU, where the step count lives too (the path's device rule)."""
     return (not group["capturable"] and not group["differentiable"] and not group["fused"]
+            and all(p.device.type == "cpu" for p in group["params"]))
+
+
+def _lr_as_input(group: dict[str, Any]) -> bool:
+    """Whether a group's float learning rate becomes an input of the trace: on the capturable
+    path that stands in (`_reads_step_count`), and in a fused step, whose kernel takes the lr
+    as a tensor and reads its step count from the state tensor itself."""
+    if _reads_step_count(group):
+        return True
+    return (group["fused"] and not group["differentiable"] and not group["capturable"]
             and all(p.device.type == "cpu" for p in group["params"]))
 
 
@@ -56,7 +67,7 @@ def adam_lrs(leaves: list[Any]) -> dict[int, torch.Tensor]:
     return {id(group): torch.tensor(group["lr"], dtype=torch.float64)
             for leaf in leaves if isinstance(leaf, torch.optim.Adam)
             for group in leaf.param_groups
-            if _reads_step_count(group) and not isinstance(group["lr"], torch.Tensor)}
+            if _lr_as_input(group) and not isinstance(group["lr"], torch.Tensor)}
 
 
 @contextlib.contextmanager
@@ -74,18 +85,20 @@ def adam_steps_as_tensors(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> It
     # it steps as in eager, so the call gives eager's numbers
     groups = [group for leaf in leaves if isinstance(leaf, torch.optim.Adam)
               for group in leaf.param_groups
-              if _reads_step_count(group) and all(leaf.state.get(p) for p in group["params"])]
+              if _lr_as_input(group) and all(leaf.state.get(p) for p in group["params"])]
     if not groups:
         yield
         return
+    capturable = [group for group in groups if _reads_step_count(group)]  # (a fused group only takes the lr)
     supported = _ADAM_MODULE._get_capturable_supported_devices
 
     def with_cpu(supports_xla: bool = True) -> list[str]:
         return [*supported(supports_xla), "cpu"]
 
     floats = {id(group): group["lr"] for group in groups if id(group) in lrs}
-    for group in groups:
+    for group in capturable:
         group["capturable"] = True
+    for group in groups:
         if id(group) in floats:
             group["lr"] = lrs[id(group)]
     setattr(_ADAM_MODULE, "_get_capturable_supported_devices", with_cpu)
@@ -93,7 +106,8 @@ def adam_steps_as_tensors(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> It
         yield
     finally:
         setattr(_ADAM_MODULE, "_get_capturable_supported_devices", supported)
-        for group in groups:
+        for group in capturable:
             group["capturable"] = False
+        for group in groups:
             if id(group) in floats:
                 group["lr"] = floats[id(group)]
