@@ -53,7 +53,9 @@ def test_the_move_that_runs_is_the_plan_propagation_priced() -> None:
     x = sw.distribute_tensor(torch.arange(64.0).view(8, 8), mesh, [S0, S1])
     target = x._spec.with_placements((S1, S0))
     move = move_between(x._spec, target)
-    assert move.plan is plan_between(x._spec, target)  # the same (cached) plan object
+    # the same plan (equal, not always the same object: the move outlives the plan cache's
+    # LRU entry in a worker that has planned many moves before this test)
+    assert move.plan == plan_between(x._spec, target)
     assert redistribute_cost(x._spec, Layout((S1, S0))) == move.plan.cost
     with sw.comm_log() as log:
         y = x.redistribute(mesh, [S1, S0])
