@@ -14,8 +14,7 @@ bias corrections, a cosine learning-rate schedule). The loops, on gloo ranks:
   backward, the optimizer's step, zero_grad): one program, traced on the second call and
   replayed on every later one (checked at every step).
 
-Each eager loop runs with foreach, fused and for-loop AdamW and with foreach momentum SGD;
-the compiled replay with foreach, fused and for-loop AdamW.
+Each loop runs with foreach, fused and for-loop AdamW and with foreach momentum SGD.
 
 The context-parallel options are module state that outlives a test in the worker pool:
 the loop sets them itself.
@@ -209,10 +208,7 @@ def _loop(parallel: str, kind: str) -> Growth:
         return _long_run(step)
 
 
-# every eager loop with each optimizer; the compiled replay with the AdamWs it replays as one
-# program under a schedule (SGD reads the lr as a Python float: see the README)
-CASES = [(loop, kind) for loop in LOOPS if loop != "compiled-tp" for kind in ("foreach", "fused", "for-loop", "sgd")]
-CASES += [("compiled-tp", "foreach"), ("compiled-tp", "fused"), ("compiled-tp", "for-loop")]
+CASES = [(loop, kind) for loop in LOOPS for kind in ("foreach", "fused", "for-loop", "sgd")]  # every loop, each optimizer
 
 
 @pytest.mark.parametrize("parallel, kind", CASES)

@@ -136,29 +136,48 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, x: DTensor) -> DT
     return loss
 
 
+# SGD configurations: for-loop, foreach and fused; momentum, Nesterov, weight decay, maximize, none
+_SGDS: list[tuple[str, dict[str, Any]]] = [
+    ("momentum for-loop", dict(momentum=0.9, foreach=False)),
+    ("nesterov weight_decay foreach", dict(momentum=0.9, nesterov=True, weight_decay=0.1, foreach=True)),
+    ("momentum dampening fused", dict(momentum=0.9, dampening=0.1, fused=True)),
+    ("plain maximize foreach", dict(maximize=True, foreach=True)),
+]
+
+
 @distributed(world_size=2)
 def test_train_step_with_module_and_optimizer_tracks_eager() -> None:
     mesh = sw.init_device_mesh("cpu", (2,))
-    models = [_mlp(mesh), _mlp(mesh)]  # compiled, eager twin
-    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, foreach=False) for m in models]
-    step = sw_compile(_train)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for call in range(5):
-            x = sw.distribute_tensor(seeded(4, 8, seed=20 + call), mesh, [Replicate()])
-            with _DispatchCounter() as counter:
-                got = step(models[0], opts[0], x)
-            want = _train(models[1], opts[1], x)
-            if call >= 2:  # call 0 creates the momentum buffers (eager), call 1 traces, then replays
-                assert counter.count == 0, f"call {call}: {counter.count} DTensor dispatches"
-            torch.testing.assert_close(_value(got), _value(want), **TOL)
-            for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-                torch.testing.assert_close(_value(p), _value(q), **TOL, msg=lambda m: f"call {call} {name}\n{m}")
-                assert p.grad is None, f"call {call}: {name}.grad survived zero_grad"
-                buf, want_buf = opts[0].state[p]["momentum_buffer"], opts[1].state[q]["momentum_buffer"]
-                torch.testing.assert_close(_value(buf), _value(want_buf), **TOL, msg=lambda m: f"call {call} {name}\n{m}")
-    assert step.programs() == 1
-    assert not [str(w.message) for w in caught if "shardwise.compile" in str(w.message)], "a warning on a train step"
+    for label, kw in _SGDS:
+        models = [_mlp(mesh), _mlp(mesh)]  # compiled, eager twin
+        opts = [torch.optim.SGD(m.parameters(), lr=0.01, **kw) for m in models]
+        step = sw_compile(_train)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for call in range(5):
+                what = f"{label} call {call}"
+                x = sw.distribute_tensor(seeded(4, 8, seed=20 + call), mesh, [Replicate()])
+                for o in opts:  # a schedule's new lr every call: an input of the one program, not a constant
+                    for group in o.param_groups:
+                        group["lr"] = 0.01 / (1 + call)
+                with _DispatchCounter() as counter:
+                    got = step(models[0], opts[0], x)
+                want = _train(models[1], opts[1], x)
+                if call >= 2:  # call 0 creates the momentum buffers (eager), call 1 traces, then replays
+                    assert counter.count == 0, f"{what}: {counter.count} DTensor dispatches"
+                torch.testing.assert_close(_value(got), _value(want), **TOL)
+                for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+                    torch.testing.assert_close(_value(p), _value(q), **TOL, msg=lambda m: f"{what} {name}\n{m}")
+                    assert p.grad is None, f"{what}: {name}.grad survived zero_grad"
+                    if kw.get("momentum"):
+                        buf, want_buf = opts[0].state[p]["momentum_buffer"], opts[1].state[q]["momentum_buffer"]
+                        torch.testing.assert_close(_value(buf), _value(want_buf), **TOL,
+                                                   msg=lambda m: f"{what} {name}\n{m}")
+                group = opts[0].param_groups[0]  # the trace's fused path and lr tensor are undone after it
+                flags = (group["lr"], group["fused"], group["foreach"])
+                assert flags == (0.01 / (1 + call), kw.get("fused"), kw.get("foreach")), f"{what}: {flags}"
+        assert step.programs() == 1, f"{label}: {step.programs()} programs"
+        assert not [str(w.message) for w in caught if "shardwise.compile" in str(w.message)], f"{label}: a warning"
 
 
 def _placed_mlp(mesh: sw.DeviceMesh) -> torch.nn.Module:

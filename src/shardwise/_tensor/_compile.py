@@ -43,11 +43,12 @@ makes it float32), so the bias corrections round as eager's Python floats do and
 step differs from eager only by the capturable formula's order of operations (about 1e-16
 relative in float64). The learning rate of those groups is an input too, a 0-dim float64
 tensor made from the group's `lr` on every call, so a learning-rate schedule replays one
-program (`_compile_adam`). A fused Adam/AdamW reads its step count from the state tensor in
-its kernel, so only its lr is made an input. SGD turns a tensor lr back into a Python number, so its `lr` stays
-part of the signature and SGD under a schedule is traced anew whenever the lr changes. A
+program (`_compile_optim`). A fused Adam/AdamW reads its step count from the state tensor in
+its kernel, so only its lr is made an input. SGD turns a tensor lr back into a Python number
+on its for-loop and foreach paths, so while tracing an SGD group on the CPU steps on its fused
+path, the one kernel that takes the lr as a tensor, and its lr is an input too. A
 compiled function keeps its `MAX_SIGNATURES` most recent programs, dropping the oldest with a
-one-time warning, so such a loop is slow but does not grow. The
+one-time warning, so a signature that changes every call is slow but does not grow. The
 first step, which creates the optimizer's state and is never kept, runs on the eager path, so
 its numbers are eager's exactly. Other
 optimizers that read a step count with `.item()` (Adagrad, Adamax, ASGD, NAdam, RAdam,
@@ -72,7 +73,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ._compile_adam import adam_lrs, adam_steps_as_tensors, steps_in_float64
+from ._compile_optim import lr_inputs, steps_as_tensors, steps_in_float64
 from ._compile_comm import COLLECTIVE, collectives_as_nodes, forget_calls
 from ._dtensor import DTensor
 from ._replay_code import compile_graph
@@ -104,7 +105,7 @@ def _keys_slot(state: dict[str, Any]) -> _Slot:
 def _slots(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> tuple[list[_Slot], list[Hashable]]:
     """The tensor-holding places reachable from module and optimizer arguments, and the
     non-tensor parts of the signature they add (hyperparameters, state keys). A group's
-    learning rate in `lrs` (see `adam_lrs`) is an input, not a part of the signature."""
+    learning rate in `lrs` (see `lr_inputs`) is an input, not a part of the signature."""
     slots: list[_Slot] = []
     extra: list[Hashable] = []
     params: dict[int, Any] = {}
@@ -253,7 +254,7 @@ class CompiledFunction:
             return self._fn(*args, **kwargs)
         leaves, tree = pytree.tree_flatten((args, kwargs))
         steps_in_float64(leaves)
-        lrs = adam_lrs(leaves)
+        lrs = lr_inputs(leaves)
         slots, extra = _slots(leaves, lrs)
         state = [get() for get, _ in slots]
         key = (tree, torch.is_grad_enabled(), tuple(_tensor_key(x) for x in leaves),
@@ -307,7 +308,7 @@ class CompiledFunction:
         with collectives_as_nodes() as calls:
             # values read into Python are recorded, not refused here: `_refusal` names them after the run
             try:
-                with adam_steps_as_tensors(leaves, lrs):
+                with steps_as_tensors(leaves, lrs):
                     gm = make_fx(traced, tracing_mode="real", _error_on_data_dependent_ops=False)(
                         *[_local(t) for t in inputs if isinstance(t, torch.Tensor)]
                     )

@@ -1,5 +1,5 @@
-"""Adam and AdamW under `shardwise.compile`: traced on torch's capturable path, the step
-count and the learning rate inputs of the graph rather than constants baked into it.
+"""Adam, AdamW and SGD under `shardwise.compile`: the step count and the learning rate are
+inputs of the graph rather than constants baked into it.
 
 torch's Adam with `capturable=False` (its default) reads its step count into Python to form
 the bias corrections `1 - beta ** step`, which a trace would bake in as constants; and a
@@ -9,6 +9,11 @@ Adam/AdamW argument whose parameters are on the CPU steps on the capturable path
 with its lr a 0-dim float64 tensor passed in on every call: the replay computes both from
 the current values. A fused Adam/AdamW reads its step count from the state tensor in its
 kernel already; only its lr is made an input.
+
+SGD turns a tensor lr back into a Python number on its for-loop and foreach paths
+(`alpha=-lr`), which a trace would bake in; its fused kernel takes the lr as a tensor. So while
+tracing, an SGD group on the CPU steps on the fused path with its lr a 0-dim float64 input:
+the same update (weight decay, momentum, dampening, Nesterov, maximize) in one kernel.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["adam_lrs", "adam_steps_as_tensors", "steps_in_float64"]
+__all__ = ["lr_inputs", "steps_as_tensors", "steps_in_float64"]
 
 # the module torch.optim.adam (not an attribute of torch.optim): where Adam looks up its capturable device rule
 _ADAM_MODULE = importlib.import_module("torch.optim.adam")
@@ -59,26 +64,37 @@ def steps_in_float64(leaves: list[Any]) -> None:
                             state["step"] = step.to(torch.float64)
 
 
-def adam_lrs(leaves: list[Any]) -> dict[int, torch.Tensor]:
-    """This call's learning rate of every Adam/AdamW group that steps on the capturable path
-    while tracing, as a 0-dim float64 tensor, by `id` of the group: an input of the graph rather
-    than a constant baked into it, so the new lr a schedule sets every step is a new value of
-    the same signature (keyed by its value, each step was traced anew, one program more)."""
-    return {id(group): torch.tensor(group["lr"], dtype=torch.float64)
-            for leaf in leaves if isinstance(leaf, torch.optim.Adam)
-            for group in leaf.param_groups
-            if _lr_as_input(group) and not isinstance(group["lr"], torch.Tensor)}
+def _sgd_lr_as_input(group: dict[str, Any]) -> bool:
+    """Whether an SGD group steps on the fused path while tracing, its lr an input: on the CPU,
+    not `differentiable`, and not fused with a tensor lr already."""
+    return not group["differentiable"] and all(p.device.type == "cpu" for p in group["params"])
+
+
+def lr_inputs(leaves: list[Any]) -> dict[int, torch.Tensor]:
+    """This call's learning rate of every Adam/AdamW/SGD group whose lr the trace takes as an
+    input (see the module docstring), as a 0-dim float64 tensor, by `id` of the group: an input
+    of the graph rather than a constant baked into it, so the new lr a schedule sets every step
+    is a new value of the same signature (keyed by its value, each step was traced anew, one
+    program more)."""
+    lrs: dict[int, torch.Tensor] = {}
+    for leaf in leaves:
+        if isinstance(leaf, (torch.optim.Adam, torch.optim.SGD)):
+            rule = _lr_as_input if isinstance(leaf, torch.optim.Adam) else _sgd_lr_as_input
+            for group in leaf.param_groups:
+                if rule(group) and not isinstance(group["lr"], torch.Tensor):
+                    lrs[id(group)] = torch.tensor(group["lr"], dtype=torch.float64)
+    return lrs
 
 
 @contextlib.contextmanager
-def adam_steps_as_tensors(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> Iterator[None]:
-    """While tracing, step Adam and AdamW arguments on their `capturable` path, their learning
-    rates the tensors in `lrs` (inputs of the graph, see `adam_lrs`).
+def steps_as_tensors(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While tracing, step Adam and AdamW arguments on their `capturable` path and SGD on its
+    fused one, their learning rates the tensors in `lrs` (inputs of the graph, see `lr_inputs`).
 
     With `capturable=False` torch's Adam turns its step count into a Python float and bakes
     the bias corrections `1 - beta ** step` in as constants; with `capturable=True` it computes
     them from the step tensor, so the graph recomputes them from the current count on every
-    replay. The flag and the lr tensor are set only for the trace (the signature was taken before
+    replay. The flags and the lr tensor are set only for the trace (the signature was taken before
     and sees the user's values), and torch's device rule for capturable steps is widened to the CPU.
     """
     # a group without state yet is taking its first step, which is never kept (see `_compile._FIRST_STEP`):
@@ -86,7 +102,10 @@ def adam_steps_as_tensors(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> It
     groups = [group for leaf in leaves if isinstance(leaf, torch.optim.Adam)
               for group in leaf.param_groups
               if _lr_as_input(group) and all(leaf.state.get(p) for p in group["params"])]
-    if not groups:
+    sgd = [(leaf, group) for leaf in leaves if isinstance(leaf, torch.optim.SGD)
+           for group in leaf.param_groups if id(group) in lrs
+           and (group["momentum"] == 0 or all(leaf.state.get(p) for p in group["params"]))]
+    if not groups and not sgd:
         yield
         return
     capturable = [group for group in groups if _reads_step_count(group)]  # (a fused group only takes the lr)
@@ -95,12 +114,14 @@ def adam_steps_as_tensors(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> It
     def with_cpu(supports_xla: bool = True) -> list[str]:
         return [*supported(supports_xla), "cpu"]
 
-    floats = {id(group): group["lr"] for group in groups if id(group) in lrs}
+    kept = {id(group): (group["lr"], group["fused"], group["foreach"]) for group in groups + [g for _, g in sgd]}
     for group in capturable:
         group["capturable"] = True
     for group in groups:
-        if id(group) in floats:
+        if id(group) in lrs:
             group["lr"] = lrs[id(group)]
+    for _, group in sgd:
+        group.update(lr=lrs[id(group)], fused=True, foreach=False)
     setattr(_ADAM_MODULE, "_get_capturable_supported_devices", with_cpu)
     try:
         yield
@@ -108,6 +129,5 @@ def adam_steps_as_tensors(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> It
         setattr(_ADAM_MODULE, "_get_capturable_supported_devices", supported)
         for group in capturable:
             group["capturable"] = False
-        for group in groups:
-            if id(group) in floats:
-                group["lr"] = floats[id(group)]
+        for group in groups + [g for _, g in sgd]:
+            group["lr"], group["fused"], group["foreach"] = kept[id(group)]
