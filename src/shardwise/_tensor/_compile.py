@@ -32,27 +32,20 @@ naming the reason. Outputs carry no autograd history
 (they are detached, on the traced call too): the replay is not differentiable from outside,
 so take gradients inside `fn`.
 
-Optimizers: SGD, with or without momentum, replays. So do Adam and AdamW. With
-`capturable=False`, their default, torch's Adam reads its step count into Python to form the
-bias corrections `1 - beta ** step`, which a trace would bake in as constants; so while
-tracing, each Adam/AdamW argument whose parameters are on the CPU (and that is neither
-`differentiable` nor `fused`) steps on torch's `capturable` path, which computes them from
-the step-count tensor inside the graph. The flag is set for the trace only. The step count
-stays one 0-dim tensor that every replay increments in place; it is kept in float64 (torch
-makes it float32), so the bias corrections round as eager's Python floats do and a replayed
-step differs from eager only by the capturable formula's order of operations (about 1e-16
-relative in float64). The learning rate of those groups is an input too, a 0-dim float64
-tensor made from the group's `lr` on every call, so a learning-rate schedule replays one
-program (`_compile_optim`). A fused Adam/AdamW reads its step count from the state tensor in
-its kernel, so only its lr is made an input. SGD turns a tensor lr back into a Python number
-on its for-loop and foreach paths, so while tracing an SGD group on the CPU steps on its fused
-path, the one kernel that takes the lr as a tensor, and its lr is an input too. A
-compiled function keeps its `MAX_SIGNATURES` most recent programs, dropping the oldest with a
-one-time warning, so a signature that changes every call is slow but does not grow. The
-first step, which creates the optimizer's state and is never kept, runs on the eager path, so
-its numbers are eager's exactly. Other
-optimizers that read a step count with `.item()` (Adagrad, Adamax, ASGD, NAdam, RAdam,
-Adafactor) and Adam on other devices run eagerly, with the warning.
+Optimizers: SGD, Adam and AdamW replay. On their for-loop and foreach paths torch's Adam
+reads its step count into Python to form the bias corrections and SGD turns a tensor lr back
+into a Python number, which a trace would bake in as constants; so while tracing, each
+SGD/Adam/AdamW group whose parameters are on the CPU (and that is neither `differentiable`
+nor `capturable`) steps on its fused kernel, which reads the step count from the state tensor
+and takes the lr as a tensor: the lr is an input, a 0-dim float64 tensor made from the group's
+`lr` on every call, so a learning-rate schedule replays one program (`_compile_optim`). The
+flags are set for the trace only; a fused step rounds as the user's path does up to the order
+of operations. A compiled function keeps its `MAX_SIGNATURES` most recent programs, dropping
+the oldest with a one-time warning, so a signature that changes every call is slow but does
+not grow. The first step, which creates the optimizer's state and is never kept, runs on the
+eager path, so its numbers are eager's exactly. Other optimizers that read a step count with
+`.item()` (Adagrad, Adamax, ASGD, NAdam, RAdam, Adafactor) and Adam on other devices run
+eagerly, with the warning.
 
 Python control flow on tensor values, and tensors `fn` reads from its closure rather than
 its arguments, are traced as they were on the first call (closure tensors by identity,
@@ -73,7 +66,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ._compile_optim import lr_inputs, steps_as_tensors, steps_in_float64
+from ._compile_optim import fused_for_trace, lr_inputs
 from ._compile_comm import COLLECTIVE, collectives_as_nodes, forget_calls
 from ._dtensor import DTensor
 from ._replay_code import compile_graph
@@ -253,7 +246,6 @@ class CompiledFunction:
         if _TRACING[0]:  # called from inside another compiled function's trace: becomes part of it
             return self._fn(*args, **kwargs)
         leaves, tree = pytree.tree_flatten((args, kwargs))
-        steps_in_float64(leaves)
         lrs = lr_inputs(leaves)
         slots, extra = _slots(leaves, lrs)
         state = [get() for get, _ in slots]
@@ -308,7 +300,7 @@ class CompiledFunction:
         with collectives_as_nodes() as calls:
             # values read into Python are recorded, not refused here: `_refusal` names them after the run
             try:
-                with steps_as_tensors(leaves, lrs):
+                with fused_for_trace(leaves, lrs):
                     gm = make_fx(traced, tracing_mode="real", _error_on_data_dependent_ops=False)(
                         *[_local(t) for t in inputs if isinstance(t, torch.Tensor)]
                     )
