@@ -109,6 +109,30 @@ def test_a_tensor_parallel_mlp_with_an_uneven_hidden_size_compiles_on_4_ranks() 
         assert err <= 1e-10, (rank, err)
 
 
+def _recompiled() -> list[int]:
+    from shardwise._comm import _traced
+
+    init_device_mesh, _, Colwise, Rowwise, parallelize = _api("shardwise")
+    torch.manual_seed(0)
+    model = MLP(32).double()
+    parallelize(model, init_device_mesh("cpu", (2,)), {"in_proj": Colwise(), "out_proj": Rowwise()})
+    x = torch.randn(4, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    sizes = []
+    for _ in range(4):  # a fresh dynamo each time: every graph traced anew
+        torch._dynamo.reset()
+        torch.compile(model, backend="aot_eager")(x).square().sum().backward()
+        sizes.append(len(_traced._CALLS))
+    return sizes
+
+
+def test_recompiling_the_same_program_files_no_new_collective_records() -> None:
+    # torch.compile does not say when a graph goes, so its collective records are kept: once per
+    # distinct collective, not once per trace (before, each recompile added the forward's and the
+    # backward's records for good)
+    for rank, sizes in enumerate(run_distributed(_recompiled, 2, timeout=600)):
+        assert sizes[0] > 0 and len(set(sizes)) == 1, (rank, sizes)
+
+
 def _train(model: nn.Module, ref: nn.Module, x: torch.Tensor, steps: int = 3) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

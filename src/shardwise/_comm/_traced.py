@@ -13,7 +13,11 @@ Two tracers use it:
   door sends every collective of a fake piece here (`is_traced`), so the compiled graph
   holds one node per collective, which inductor calls as an extern kernel.
 
-Records are kept while their graphs may run; `forget` drops those of a graph that will not.
+Records are kept while their graphs may run; `forget` drops those of a graph that will not
+(`shardwise.compile` knows when its programs go). `torch.compile` does not say when a graph
+is dropped, so its records (`as_node` without `made`) are filed once per distinct collective:
+a recompile that meets the same collective again reuses its number, and the records grow with
+the layouts and shapes a program meets, not with its traces.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ._dry import result_shape
 __all__ = ["COLLECTIVE", "LIB", "as_node", "forget", "is_traced", "record"]
 
 _CALLS: dict[int, Collective] = {}
+_SHARED: dict[Collective, int] = {}  # torch.compile's records, one number per distinct collective
 _IDS = itertools.count()
 _LOCK = threading.Lock()
 
@@ -64,11 +69,29 @@ def as_node(collective: Collective, local: torch.Tensor, made: Optional[list[int
     if isinstance(collective, AllGather) and collective.in_place:
         collective, local = collective.as_piece(local)
     with _LOCK:
-        key = next(_IDS)
-        _CALLS[key] = collective
+        key = _shared_key(collective) if made is None else None
+        if key is None:
+            key = next(_IDS)
+            _CALLS[key] = collective
+            if made is None:
+                _share(collective, key)
     if made is not None:
         made.append(key)
     return COLLECTIVE(local, key)  # type: ignore[no-any-return]
+
+
+def _shared_key(collective: Collective) -> Optional[int]:
+    try:
+        return _SHARED.get(collective)
+    except TypeError:  # a field that cannot be hashed: filed anew each time
+        return None
+
+
+def _share(collective: Collective, key: int) -> None:
+    try:
+        _SHARED[collective] = key
+    except TypeError:
+        pass
 
 
 def forget(keys: list[int]) -> None:
