@@ -1,10 +1,14 @@
 """Long runs: growth per step of live objects and RSS, and host time per step, over thousands of steps.
 
-A tensor-parallel MLP on 2 gloo ranks trains with AdamW (foreach, fused, for-loop) under a
-cosine learning-rate schedule, through shardwise and through torch's DTensor, the same
-program. After a warm-up, live Python objects (after `gc.collect()`) and the process's RSS
-are read, and again at the end: the table gives their growth per step (0 is the goal), the
-host time per step, and shardwise's cache sizes at the end (`shardwise.debug.cache_info()`).
+Loops on gloo ranks, each under a cosine learning-rate schedule, through shardwise and through
+torch's own implementation, the same program:
+- tp: a tensor-parallel MLP on 2 ranks with AdamW (foreach, fused, for-loop);
+- zero3: the MLP under `fully_shard` on 2 ranks (torch's FSDP2 beside), foreach AdamW;
+- dp-x-tp: Colwise/Rowwise over tp, then `fully_shard` over dp, on (2, 2), foreach AdamW;
+- compiled-tp: the tp loop's whole step under `shardwise.compile` (shardwise only).
+After a warm-up, live Python objects (after `gc.collect()`) and the process's RSS are read,
+and again at the end: the table gives their growth per step (0 is the goal), the host time
+per step, and shardwise's cache sizes at the end (`shardwise.debug.cache_info()`).
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ __all__ = ["body", "run"]
 OPTIMIZERS = ("foreach", "fused", "for-loop")
 
 
-def _steps(settings: Settings) -> tuple[int, int]:
-    """(warm-up steps, measured steps)."""
-    return (100, 500) if settings.quick else (300, 10_000)
+def _steps(settings: Settings, loop: str = "tp") -> tuple[int, int]:
+    """(warm-up steps, measured steps); a smoke test runs the loops beyond tp shorter."""
+    if settings.quick:
+        return (100, 500) if loop == "tp" else (50, 200)
+    return (300, 10_000)
 
 
 def _rss() -> int:
@@ -34,21 +40,48 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def body(settings: Settings, lib_name: str, kind: str) -> dict[str, Any]:
-    lib = load(lib_name)
+def _model(lib: Any, lib_name: str, loop: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
-    lib.parallelize_module(model, lib.mesh((2,), ("tp",)), {"0": lib.ColwiseParallel(), "2": lib.RowwiseParallel()})
+    plan = {"0": lib.ColwiseParallel(), "2": lib.RowwiseParallel()}
+    if loop in ("tp", "compiled-tp"):
+        lib.parallelize_module(model, lib.mesh((2,), ("tp",)), plan)
+        return model
+    if lib_name == "shardwise":
+        from shardwise.fsdp import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    if loop == "zero3":
+        fully_shard(model, mesh=lib.mesh((2,), ("dp",)))
+    else:  # dp-x-tp (torchtitan's 2-D recipe)
+        mesh = lib.mesh((2, 2), ("dp", "tp"))
+        lib.parallelize_module(model, mesh["tp"], plan)
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    model(x).square().mean().backward()
+    optimizer.step()
+
+
+def body(settings: Settings, lib_name: str, loop: str, kind: str) -> dict[str, Any]:
+    lib = load(lib_name)
+    model = _model(lib, lib_name, loop)
     flags = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}[kind]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **flags)
-    warm, measured = _steps(settings)
+    warm, measured = _steps(settings, loop)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, warm + measured)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    train = _train_step
+    if loop == "compiled-tp":
+        import shardwise
+
+        train = shardwise.compile(_train_step)
 
     def step() -> None:
-        optimizer.zero_grad()
-        model(x).square().mean().backward()
-        optimizer.step()
+        train(model, optimizer, x)
         schedule.step()
 
     with quiet():
@@ -68,7 +101,13 @@ def body(settings: Settings, lib_name: str, kind: str) -> dict[str, Any]:
 
         caches = cache_info()
     return {"objects_per_step": grown / measured, "rss_kib_per_step": rss_grown / 1024 / measured,
-            "ms": seconds * 1e3, "caches": sum(caches.values())}
+            "ms": seconds * 1e3, "caches": sum(caches.values()),
+            "programs": train.programs() if loop == "compiled-tp" else None}  # type: ignore[attr-defined]
+
+
+# (loop, AdamW, ranks, libraries)
+LOOPS = [("tp", kind, 2, LIBS) for kind in OPTIMIZERS] + [
+    ("zero3", "foreach", 2, LIBS), ("dp-x-tp", "foreach", 4, LIBS), ("compiled-tp", "foreach", 2, ("shardwise",))]
 
 
 def run(settings: Settings) -> list[Table]:
@@ -77,26 +116,35 @@ def run(settings: Settings) -> list[Table]:
     warm, measured = _steps(settings)
     table = Table(
         "long_run",
-        f"long run: TP MLP (64 -> 256 -> 64) on 2 ranks, AdamW under a cosine lr schedule, {measured} steps after "
-        f"{warm} of warm-up: growth per step of live objects and RSS (rank 0), host ms per step (slowest rank)",
-        [Column("optimizer", "AdamW"), Column("lib", "library"), Column("objects", "objects / step", ".3f"),
-         Column("rss", "RSS KiB / step", ".3f"), Column("ms", "ms / step", ".2f"),
-         Column("vs_torch", "time / torch", ".2f"), Column("caches", "cache entries")],
+        f"long run: an MLP (64 -> 256 -> 64) under TP, ZeRO-3, DP x TP and the compiled TP replay, AdamW under a "
+        f"cosine lr schedule, {measured} steps after {warm} of warm-up: growth per step of live objects and RSS "
+        f"(rank 0), host ms per step (slowest rank)",
+        [Column("loop", "loop"), Column("optimizer", "AdamW"), Column("lib", "library"),
+         Column("objects", "objects / step", ".3f"), Column("rss", "RSS KiB / step", ".3f"),
+         Column("ms", "ms / step", ".2f"), Column("vs_torch", "time / torch", ".2f"), Column("caches", "cache entries")],
     )
-    for kind in OPTIMIZERS:
+    for loop, kind, ranks, libs in LOOPS:
         times: dict[str, float] = {}
-        for lib_name in LIBS:
+        for lib_name in libs:
             try:
-                per_rank = run_distributed(body, 2, settings, lib_name, kind, timeout=settings.timeout)
+                per_rank = run_distributed(body, ranks, settings, lib_name, loop, kind, timeout=settings.timeout)
             except Exception as exc:  # noqa: BLE001 - reported in the row
-                table.rows.append({"optimizer": kind, "lib": lib_name, "caches": "failed: " + str(exc)[:80]})
+                table.rows.append({"loop": loop, "optimizer": kind, "lib": lib_name,
+                                   "caches": "failed: " + str(exc)[:80]})
                 continue
             times[lib_name] = max(r["ms"] for r in per_rank)
-            table.rows.append({"optimizer": kind, "lib": lib_name, "objects": per_rank[0]["objects_per_step"],
-                               "rss": per_rank[0]["rss_kib_per_step"], "ms": times[lib_name],
-                               "caches": per_rank[0]["caches"] if lib_name == "shardwise" else "-"})
-        for row in table.rows[-len(LIBS):]:
+            programs = per_rank[0]["programs"]
+            caches = per_rank[0]["caches"] if lib_name == "shardwise" else "-"
+            table.rows.append({"loop": loop, "optimizer": kind, "lib": lib_name,
+                               "objects": per_rank[0]["objects_per_step"], "rss": per_rank[0]["rss_kib_per_step"],
+                               "ms": times[lib_name],
+                               "caches": caches if programs is None else f"{caches} ({programs} program)"})
+        for row in table.rows[-len(libs):]:
             row["vs_torch"] = ratio(times.get(row["lib"]), times.get("torch"))
     table.notes.append("objects: len(gc.get_objects()) after gc.collect(); RSS: /proc/self/statm; a positive "
                        "growth that does not scale with steps is the allocator settling, not a leak")
+    if settings.quick:
+        table.notes.append("quick: the loops beyond tp run %d steps after %d" % _steps(settings, "zero3")[::-1])
+    table.notes.append("the tests (tests/test_long_run.py) run every loop, the pipeline and context parallel "
+                       "included, with each optimizer for 1,000 steps and assert no growth")
     return [table]

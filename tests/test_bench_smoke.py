@@ -187,7 +187,10 @@ def test_the_context_parallel_rows_check_every_rotation(quick_run: Any) -> None:
 def test_the_long_run_rows_show_no_growth_for_shardwise(quick_run: Any) -> None:
     rows = quick_run[1]["benchmarks"]["long_run"]["rows"]
     ours = [r for r in rows if r["lib"] == "shardwise"]
-    assert {r["optimizer"] for r in ours} == {"foreach", "fused", "for-loop"}
+    assert {(r["loop"], r["optimizer"]) for r in ours} == {("tp", "foreach"), ("tp", "fused"), ("tp", "for-loop"),
+                                                           ("zero3", "foreach"), ("dp-x-tp", "foreach"),
+                                                           ("compiled-tp", "foreach")}
+    assert {r["loop"] for r in rows if r["lib"] == "torch"} == {"tp", "zero3", "dp-x-tp"}
     for r in ours:  # flat after warm-up (before the float-keyed plans: about 40 objects a step with foreach)
         assert r["objects"] is not None and r["objects"] < 0.5, r
 
