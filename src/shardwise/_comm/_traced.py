@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from .._mesh_dry import CACHE_SIZES
 from ._collectives import AllGather, Collective
 from ._dry import result_shape
 
@@ -35,6 +36,7 @@ __all__ = ["COLLECTIVE", "LIB", "as_node", "forget", "is_traced", "record"]
 
 _CALLS: dict[int, Collective] = {}
 _SHARED: dict[Collective, int] = {}  # torch.compile's records, one number per distinct collective
+CACHE_SIZES["traced collective records"] = _CALLS.__len__
 _IDS = itertools.count()
 _LOCK = threading.Lock()
 
