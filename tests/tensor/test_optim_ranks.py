@@ -168,8 +168,9 @@ def test_a_step_that_raises_is_undone_before_the_next_step_and_before_state_dict
 @distributed(world_size=2)
 def test_the_kept_swap_sees_what_changed_between_steps(kind: str) -> None:
     """The local step's swap is kept from step to step (`_local_step._Cache`): a plain parameter
-    beside the DTensors, a state tensor replaced, a group added, a state_dict round trip and a
-    parameter's piece replaced between steps each reach the next step as they would plain."""
+    beside the DTensors, a state tensor replaced, a group added, a parameter's whole state
+    replaced, a state_dict round trip and a parameter's piece replaced between steps each reach
+    the next step as they would plain."""
     mesh = sw.init_device_mesh("cpu", (2,))
     flags = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for_loop": dict(foreach=False)}[kind]
     g = torch.Generator().manual_seed(0)
@@ -182,7 +183,7 @@ def test_the_kept_swap_sees_what_changed_between_steps(kind: str) -> None:
     extra_ref = extra_full.clone().requires_grad_()
     extra = sw.distribute_tensor(extra_full.clone(), mesh, [Shard(1)]).requires_grad_()
     opt, opt_ref = torch.optim.AdamW(params, lr=0.1, **flags), torch.optim.AdamW(ref, lr=0.1, **flags)
-    for step in range(7):
+    for step in range(8):
         for qs, o in ((params + ([extra] if step >= 3 else []), opt), (ref + ([extra_ref] if step >= 3 else []), opt_ref)):
             o.zero_grad()
             sum(((q * q * q).sum() for q in qs)).backward()  # type: ignore[union-attr]
@@ -193,9 +194,12 @@ def test_the_kept_swap_sees_what_changed_between_steps(kind: str) -> None:
         if step == 3:
             opt.add_param_group({"params": [extra], "lr": 0.05})
             opt_ref.add_param_group({"params": [extra_ref], "lr": 0.05})
-        if step == 5:  # a checkpoint round trip
+        if step == 5:  # a parameter's whole state replaced: it starts afresh
+            for o, q in ((opt, params[2]), (opt_ref, ref[2]), (opt, params[1]), (opt_ref, ref[1])):
+                o.state[q] = {}
+        if step == 6:  # a checkpoint round trip
             opt.load_state_dict(opt.state_dict())
-        if step == 6:  # a parameter given a new piece (its values copied)
+        if step == 7:  # a parameter given a new piece (its values copied)
             with torch.no_grad():
                 params[0]._local_tensor = params[0]._local_tensor.clone()  # type: ignore[attr-defined]
         opt.step()

@@ -62,7 +62,8 @@ class _Cache:
     in order and their pieces; `grad_specs`: the gradient specs last found to be each
     parameter's layout; `owners` / `keys`: every parameter, and what the local step keys its
     state by (a DTensor's piece, a plain tensor itself). The state part is None until read:
-    `mines` each owner's state dict, `mine_values` their values in a row; `shadow` the state
+    `state_keys` / `mines` the optimizer's state as it was read (its keys, their state dicts),
+    `mine_values` those dicts' values in a row; `shadow` the state
     the local step runs with (a DTensor's state as pieces, a plain tensor's own dict),
     `shadow_values` its dicts' values in a row, `shadow_len` its size."""
 
@@ -73,6 +74,7 @@ class _Cache:
     grad_specs: list[Optional[DTensorSpec]]
     owners: list[torch.Tensor]
     keys: list[torch.Tensor]
+    state_keys: tuple[Any, ...] = ()
     mines: Optional[list[dict[str, Any]]] = None
     mine_values: tuple[Any, ...] = ()
     shadow: defaultdict[torch.Tensor, dict[str, Any]] = field(default_factory=lambda: defaultdict(dict))
@@ -119,10 +121,13 @@ class _Cache:
     def read_state(self, state: dict[Any, Any]) -> bool:
         """Makes `shadow` the state the local step runs with, from the optimizer's `state`;
         False if a state tensor is laid out otherwise than its parameter."""
+        if (self.mines is not None and len(state) == len(self.mines) and all(map(_is, state, self.state_keys))
+                and all(map(_is, state.values(), self.mines)) and sum(map(len, self.mines)) == len(self.mine_values)
+                and all(map(_is, chain.from_iterable(map(_VALUES, self.mines)), self.mine_values))):
+            # every key, state dict and state tensor as it was: no tensor hashed (`_after` checked
+            # that the last step changed none of the shadow's)
+            return True
         mines = list(map(state.get, self.owners, repeat(_NO_STATE)))
-        if (self.mines is not None and all(map(_is, mines, self.mines)) and sum(map(len, mines)) == len(self.mine_values)
-                and all(map(_is, chain.from_iterable(map(_VALUES, mines)), self.mine_values))):
-            return True  # (`_after` checked that the last step changed none of the shadow's)
         shadow: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         for owner, key, mine in zip(self.owners, self.keys, mines):
             if mine:
@@ -133,8 +138,8 @@ class _Cache:
                 if moved is None:
                     return False
                 shadow[key] = moved
-        self.mines, self.shadow = mines, shadow
-        self.mine_values = tuple(chain.from_iterable(map(_VALUES, mines)))
+        self.state_keys, self.mines, self.shadow = tuple(state), list(state.values()), shadow
+        self.mine_values = tuple(chain.from_iterable(map(_VALUES, self.mines)))
         self.shadow_values = tuple(chain.from_iterable(map(_VALUES, shadow.values())))
         self.shadow_len = len(shadow)
         return True
