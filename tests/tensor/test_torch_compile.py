@@ -11,7 +11,9 @@ gradients must equal one process's in float64. Programs:
   per block as torchtitan does (`torch.compile` each block, then `fully_shard` it), trained
   3 AdamW steps;
 - DP x TP on (2, 2): tensor-parallel blocks compiled, then `fully_shard` over dp;
-- an HF Llama under a tensor-parallel plan: loss and gradients.
+- an HF Llama under a tensor-parallel plan: loss and gradients;
+- an HF Llama under the `ContextParallel()` style: equal to eager, with a graph break at each
+  module (its window-tracking hooks read a ContextVar).
 A construct dynamo cannot trace (a user's `redistribute` call inside the compiled region)
 breaks the graph there, and the program still runs right. Importing shardwise does not import
 torch._dynamo (seconds), and a registration that fails on some torch version warns instead of
@@ -244,6 +246,39 @@ def test_an_hf_llama_under_tensor_parallel_compiles_like_torchs_dtensor(backend:
     for rank, (counts, err) in enumerate(run_distributed(_llama, 2, "shardwise", backend, timeout=600)):
         assert counts[1] <= torch_counts[1] and counts[0] <= torch_counts[0], (rank, counts, torch_counts)
         assert err <= 1e-10, (rank, err)
+
+
+def _context_parallel_llama() -> tuple[tuple[int, int], float, float]:
+    from shardwise import init_device_mesh
+    from shardwise.experimental import set_load_balance, set_rotate_method
+    from shardwise.parallel import ContextParallel, parallelize_module
+
+    set_rotate_method("allgather")  # module-level options: set here, whatever an earlier test in this worker chose
+    set_load_balance(True)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config).double()
+    ref = transformers.LlamaForCausalLM(config).double()
+    ref.load_state_dict(model.state_dict())
+    parallelize_module(model, init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)), ContextParallel())
+    ids = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(1))
+    eager = model(input_ids=ids, labels=ids).loss.item()
+    counts = _explain(model, input_ids=ids, labels=ids)
+    out = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids)
+    model.zero_grad()
+    out.loss.backward()
+    ref(input_ids=ids, labels=ids).loss.backward()
+    grads = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    return counts, abs(out.loss.item() - eager), grads
+
+
+def test_the_context_parallel_style_compiled_runs_like_eager() -> None:
+    # the style's global module hooks read a ContextVar, which dynamo does not trace: the graph
+    # breaks at each module (13 graphs for a one-layer Llama), and the program runs right
+    for rank, (counts, loss_err, grad_err) in enumerate(run_distributed(_context_parallel_llama, 2, timeout=600)):
+        assert 1 <= counts[0] <= 13 and counts[1] <= 12, (rank, counts)
+        assert loss_err <= 1e-12 and grad_err <= 1e-10, (rank, loss_err, grad_err)
 
 
 def _user_redistribute() -> tuple[tuple[int, int], float]:
