@@ -431,3 +431,29 @@ def test_a_signature_that_changes_every_call_keeps_at_most_max_signatures_progra
             torch.testing.assert_close(compiled(d, float(i)).full_tensor(), d.full_tensor() * i)
     assert compiled.programs() == MAX_SIGNATURES
     assert sum("signatures" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
+
+
+def _complex_adam_step(p: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    (p.abs() ** 2).sum().backward()  # type: ignore[no-untyped-call]
+    opt.step()
+
+
+@distributed(world_size=2)
+def test_adam_on_complex_parameters_runs_eagerly_with_a_warning_not_on_the_fused_kernel() -> None:
+    # regression: the trace stepped every CPU Adam on its fused kernel, which has no complex
+    # dtype: the compiled call raised NotImplementedError ("fused_adam_kernel" for ComplexFloat)
+    mesh = sw.init_device_mesh("cpu", (2,))
+    full = torch.randn(4, 4, dtype=torch.complex128, generator=torch.Generator().manual_seed(0))
+    p = torch.nn.Parameter(sw.distribute_tensor(full.clone(), mesh, [Shard(0)]))
+    q = torch.nn.Parameter(full.clone())
+    opt, ref_opt = torch.optim.Adam([p], lr=1e-2), torch.optim.Adam([q], lr=1e-2)
+    step = sw_compile(_complex_adam_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            step(p, opt)
+            _complex_adam_step(q, ref_opt)
+    torch.testing.assert_close(p.full_tensor(), q.detach(), atol=1e-12, rtol=1e-12)
+    messages = [str(w.message) for w in caught if "shardwise.compile" in str(w.message)]
+    assert len(messages) == 1 and "runs eagerly" in messages[0], messages

@@ -28,10 +28,11 @@ _TRACED = (torch.optim.Adam, torch.optim.SGD)  # (AdamW is an Adam)
 
 
 def _lr_as_input(group: dict[str, Any]) -> bool:
-    """Whether a group steps on its fused path while tracing, its lr an input: on the CPU, not
+    """Whether a group steps on its fused path while tracing, its lr an input: real floating
+    parameters on the CPU (the fused kernels' dtypes: a complex one has none), not
     `differentiable` (no fused kernel), not `capturable` (its graph computes all from tensors)."""
     return (not group["differentiable"] and not group.get("capturable", False)
-            and all(p.device.type == "cpu" for p in group["params"]))
+            and all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"]))
 
 
 def lr_inputs(leaves: list[Any]) -> dict[int, torch.Tensor]:
