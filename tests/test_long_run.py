@@ -12,7 +12,8 @@ bias corrections, a cosine learning-rate schedule). The loops, on gloo ranks:
   Llama;
 - the compiled replay: `shardwise.compile` of a whole tensor-parallel train step (forward,
   backward, the optimizer's step, zero_grad): one program, traced on the second call and
-  replayed on every later one (checked at every step).
+  replayed on every later one (checked at every step);
+- the compiled replay of the 1F1B pipeline's step (its messages host steps of the graph).
 
 Each loop runs with foreach, fused and for-loop AdamW and with foreach momentum SGD.
 
@@ -196,10 +197,40 @@ def _compiled_tp(kind: str) -> Iterator[Callable[[], object]]:
     yield step
 
 
+def _pipe_step(pipe: Any, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Any:
+    optimizer.zero_grad()
+    loss = pipe.step(x, y)
+    optimizer.step()
+    return loss
+
+
+@contextlib.contextmanager
+def _compiled_pipeline(kind: str) -> Iterator[Callable[[], object]]:
+    from shardwise.pipeline import DistributedPipe
+
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pipe = DistributedPipe(_mlp(), [2, 1], mesh, schedule="1f1b", chunks=4, loss_fn=F.mse_loss)
+    optimizer = _optimizer(kind, pipe.parameters())
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, STEPS)
+    x, y = _rows(8, 16), _rows(8, 16).flip(0)
+    train = sw.compile(_pipe_step)
+    calls = 0
+
+    def step() -> None:
+        nonlocal calls
+        train(pipe, optimizer, x, y)
+        schedule.step()
+        calls += 1  # as the compiled tp loop: eager, traced, then one program replayed
+        assert train.programs() == (calls >= 2), f"call {calls}: {train.programs()} programs"
+    yield step
+    pipe.close()
+
+
 # name -> (the loop's set-up, yielding its step; ranks)
 LOOPS: dict[str, tuple[Callable[[str], contextlib.AbstractContextManager[Callable[[], object]]], int]] = {
     "tp": (_tp, 2), "zero3": (_zero3, 2), "dp-x-tp": (_dp_x_tp, 4), "1f1b": (_pipeline, 2),
     "context-parallel": (_context_parallel, 2), "compiled-tp": (_compiled_tp, 2),
+    "compiled-1f1b": (_compiled_pipeline, 2),
 }
 
 

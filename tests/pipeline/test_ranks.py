@@ -20,11 +20,10 @@ soon as one rank dies, before they could report what they saw.
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -37,7 +36,7 @@ from shardwise._comm import P2PRecord
 from shardwise.pipeline import Timeline
 from shardwise.pipeline._runtime import DistributedPipe, PipelineError
 from shardwise.pipeline._stage import split_module
-from shardwise.pipeline._wire import ChannelPlan
+from shardwise.pipeline._wire import HEADER, INLINE, ChannelPlan
 from shardwise.pipeline.skip import Namespace, inspect_skip_layout, pop, skippable, stash
 from shardwise.testing import distributed, run_distributed
 
@@ -233,6 +232,63 @@ def test_a_tuple_with_integer_tensors_and_numbers_crosses_stages() -> None:
     assert sum(run_distributed(_tuples, 2)) == 4
 
 
+class Fan(nn.Module):
+    """Returns a tuple whose message takes the wire's longer forms: with `wide`, a float tensor
+    too big to travel inside the header; otherwise a note too long for the header's metadata.
+    A bool and an empty tensor ride along."""
+
+    def __init__(self, wide: bool) -> None:
+        super().__init__()
+        self.width = 8192 if wide else D
+        self.lin = nn.Linear(D, self.width)
+        self.note = "" if wide else "n" * 600  # non-tensor values travel in the metadata
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+        return torch.tanh(self.lin(x)), x > 0, x.new_zeros(0), self.note
+
+
+class Gather(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, D)
+
+    def forward(self, values: tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]) -> torch.Tensor:
+        h, positive, empty, note = values
+        return self.lin(h) + positive * float(len(note) == 600) + empty.numel()
+
+
+def _long_messages(wide: bool) -> tuple[int, list[int]]:
+    mesh = pp_mesh(2)
+    torch.manual_seed(0)
+    fan = Fan(wide)
+    ref = nn.Sequential(nn.Linear(D, D), fan, Gather(fan.width))
+    x, t = batch()
+    mse(ref(x), t).backward()
+    pipe = DistributedPipe(copy.deepcopy(ref), [2, 1], mesh, schedule="1f1b", chunks=4, loss_fn=mse)
+    for p in pipe.parameters():
+        p.grad = None
+    with sw.comm_log() as log:
+        pipe.step(x, t)
+    count = check_grads(pipe, ref, "long messages")
+    pipe.close()
+    sent = [r.bytes_sent for r in log if isinstance(r, P2PRecord) and r.op == "send" and "activation of micro-batch 0"
+            in r.label]
+    return count, sent
+
+
+@pytest.mark.parametrize("wide", [True, False], ids=["payload-past-the-header", "metadata-past-the-header"])
+def test_messages_too_long_for_the_header_travel_after_it(wide: bool) -> None:
+    """A small message is one transfer, its tensors inside the header; a tensor too big for it
+    (past `PACKED` bytes), or metadata too long (past `INLINE`), follows as a message of its own."""
+    (count0, sent0), (count1, _) = run_distributed(_long_messages, 2, wide)
+    assert count0 + count1 == 6
+    rows = 3  # micro-batch 0 of 10 rows in 4
+    if wide:  # header (metadata inside), the float tensor, the bool one
+        assert sent0 == [HEADER * 8, rows * 8192 * 4, rows * D], sent0
+    else:  # header, metadata, the float tensor, the bool one
+        assert len(sent0) == 4 and sent0[0] == HEADER * 8 and sent0[1] > INLINE and sent0[2:] == [rows * D * 4, rows * D]
+
+
 def test_one_microbatch_is_bit_for_bit_the_plain_module() -> None:
     # Same operations on the same rows, only split between processes: nothing may differ.
     assert run_distributed(_exact, 2) == [True, True]
@@ -276,7 +332,7 @@ def _received(schedule: str) -> tuple[set[tuple[int, str]], dict[str, int], list
             match = LABEL.fullmatch(r.label)
             assert match, r.label
             received.add((r.peer, match.group(1)))
-            if r.bytes_received == 4 * D * 4:  # the tensor itself: 4 rows of D float32
+            if r.bytes_received == HEADER * 8 + 4 * D * 4:  # the header with the tensor inside: 4 rows of D float32
                 payload[match.group(1)] = payload.get(match.group(1), 0) + 1
     events = [(e.stage, e.kind, e.microbatch) for e in timeline.events]
     return received, payload, events

@@ -45,12 +45,12 @@ _batch = functools.partial(batch, rows=ROWS)
 
 def _payloads(records: list[Any], kind: str, senders: int) -> list[int]:
     """Bytes of tensor payload this rank received per micro-batch on `kind` channels: each
-    micro-batch's receives are every sender's header and metadata, then the pieces."""
+    micro-batch's receives are every sender's header (the metadata inside), then the pieces."""
     by_tag: dict[int, list[int]] = defaultdict(list)
     for r in records:
         if isinstance(r, P2PRecord) and r.op == "recv" and r.label.startswith(f"the {kind} of"):
             by_tag[r.tag].append(r.bytes_received)
-    return [sum(sizes[2 * senders:]) for _, sizes in sorted(by_tag.items())]
+    return [sum(sizes[senders:]) for _, sizes in sorted(by_tag.items())]
 
 
 def _train(grids: list[Any], names: tuple[str, ...]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from shardwise._comm import P2PRecord
 from shardwise.parallel import ColwiseParallel, RowwiseParallel
 from shardwise.parallel._data_parallel import _Reducer
 from shardwise.pipeline import DistributedPipe
+from shardwise.pipeline._wire import HEADER
 from shardwise.pipeline.skip import pop, skippable, stash
 from shardwise.testing import run_distributed
 
@@ -67,7 +68,7 @@ def _train(shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
         params.append({name.split(".", 2)[2]: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                        for name, p in pipe.named_parameters()})
         sent = [r for r in records if isinstance(r, P2PRecord) and r.op == "send" and "activation" in r.label]
-        activation_bytes.append([r.bytes_sent for r in sent[2::3]])  # each message: header, metadata, the piece
+        activation_bytes.append([r.bytes_sent - HEADER * 8 for r in sent])  # each message: a header, the piece inside
     return {"losses": losses, "params": params, "activation_bytes": activation_bytes,
             "holds": sorted({name.split(".")[1] for name, _ in pipe.named_parameters()}),
             "tp_params": all(isinstance(p, DTensor) for p in pipe.parameters())}
@@ -181,7 +182,7 @@ def _gpt_3d() -> dict[str, Any]:
         losses.append(None if loss is None else loss.item())
         params.append({n.split(".", 2)[2]: p.full_tensor().detach().clone() for n, p in pipe.named_parameters()})
         sent = [r for r in records if isinstance(r, P2PRecord) and r.op == "send" and "activation" in r.label]
-        activation_bytes.append([r.bytes_sent for r in sent[2::3]])
+        activation_bytes.append([r.bytes_sent - HEADER * 8 for r in sent])
     sharded = {n: (tuple(p.to_local().shape), tuple(p.shape), tuple(p.placements)) for n, p in pipe.named_parameters()}
     return {"losses": losses, "params": params, "activation_bytes": activation_bytes, "sharded": sharded,
             "flushes": flushes,
@@ -240,10 +241,10 @@ def _skip_across_tp_stages() -> dict[str, Any]:
     x, y = _batch(0)
     with comm_log() as records:
         loss = pipe.step(x, y)
-    skips = [r.bytes_sent for r in records if isinstance(r, P2PRecord) and r.op == "send" and "skip 'h'" in r.label
-             and "gradient" not in r.label]
+    skips = [r.bytes_sent - HEADER * 8 for r in records if isinstance(r, P2PRecord) and r.op == "send"
+             and "skip 'h'" in r.label and "gradient" not in r.label]
     grads = {name.split(".", 2)[2]: p.grad.full_tensor() for name, p in pipe.named_parameters()}
-    return {"loss": None if loss is None else loss.item(), "grads": grads, "skip_pieces": skips[2::3]}
+    return {"loss": None if loss is None else loss.item(), "grads": grads, "skip_pieces": skips}
 
 
 def test_a_skip_connection_carries_a_dtensor_piece_straight_to_the_popping_stage() -> None:

@@ -5,12 +5,15 @@ A step is forward, backward, foreach AdamW's step and zero_grad, compiled with
 parameters must agree to 1e-10 and the step must replay one program, with no warning.
 Parallelisms: ZeRO-3 (`fully_shard` per block and at the root, 2 ranks), DP x TP on
 (2, 2) (tensor-parallel blocks, then `fully_shard` over dp), and the `ContextParallel()`
-style on an HF Llama (2 ranks, the allgather, alltoall and Ulysses rotations). Regressions: a replayed
+style on an HF Llama (2 ranks, the allgather, alltoall, Ulysses and ring rotations; the ring's
+point-to-point messages are host steps of the graph, posted and waited where eager does). Regressions: a replayed
 `fully_shard` step crashed the process (its gather buffers were freed and re-made by storage
 resizes a trace did not see), and context parallel's per-call agreement exchanges made every
 step run eagerly.
-Steps with point-to-point messages, a pipeline's and the ring rotation's, are not replayed
-yet: they run eagerly, with the warning.
+A pipeline stage's schedule replays too (gpipe, 1F1B, interleaved; stages plain, tensor-
+parallel, or ZeRO-3 over dp): each message between ranks is one host step of the graph that
+runs the wire protocol eager runs, headers included, so a rank whose replay goes wrong still
+tells its peers at once.
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ def _context_parallel(rotation: str) -> tuple[float, int, list[str]]:
     ("context parallel, allgather", 2, _context_parallel, ("allgather",)),
     ("context parallel, alltoall", 2, _context_parallel, ("alltoall",)),
     ("context parallel, ulysses", 2, _context_parallel, ("ulysses",)),
+    ("context parallel, ring", 2, _context_parallel, ("ring",)),
 ])
 def test_a_compiled_train_step_replays_one_program_equal_to_one_process(name: str, ranks: int, body: Any,
                                                                         args: tuple[Any, ...]) -> None:
@@ -128,42 +132,101 @@ def test_a_compiled_train_step_replays_one_program_equal_to_one_process(name: st
         assert err <= 1e-10, (rank, err)
 
 
-def _pipeline() -> tuple[int, list[str], float]:
+def _pipeline(schedule: str, shape: tuple[int, ...], names: tuple[str, ...]) -> tuple[list[float], int, list[str]]:
+    """5 compiled steps of an MLP cut into stages beside the same model in one process (the
+    whole batch): the largest difference of each step's loss and of every parameter this
+    rank holds, after the last step; the programs compiled and the warnings."""
     from shardwise.pipeline import DistributedPipe
 
-    torch.manual_seed(0)
-    mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).double()
-    ref = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).double()
-    ref.load_state_dict(mlp.state_dict())
-    pipe = DistributedPipe(mlp, [2, 1], sw.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), schedule="1f1b",
-                           chunks=4, loss_fn=F.mse_loss)
-    opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    from ..pipeline._mlp import PLAN, batch, mlp, one_process
 
-    def step(pipe: Any, opt: torch.optim.Optimizer, x: torch.Tensor) -> Any:
-        loss = pipe.step(x, x.flip(0))
+    mesh = sw.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp, d = (mesh.size("dp"), mesh.get_local_rank("dp")) if "dp" in names else (1, 0)
+    balance = [2, 1, 2, 1] if schedule == "interleaved" else [3, 3]
+    pipe = DistributedPipe(mlp(16), balance, mesh, schedule=schedule, chunks=4, loss_fn=F.mse_loss,
+                           tp_plan=PLAN if "tp" in names else None, shard_parameters="dp" in names)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.05, foreach=True)
+
+    def step(pipe: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Any:
+        opt.zero_grad()
+        loss = pipe.step(x, y)  # the loss on the last stage's ranks, None elsewhere
+        opt.step()
+        return loss
+
+    compiled = sw.compile(step)
+    expected = one_process(mlp(16), 8, 5)
+    errors = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in range(5):
+                x, y = batch(k, 8)
+                loss = compiled(pipe, opt, x.chunk(dp)[d], y.chunk(dp)[d])
+                if loss is not None:  # each dp replica's is its half's mean: their mean is the batch's
+                    if dp > 1:
+                        torch.distributed.all_reduce(loss, group=mesh.get_group("dp"))
+                    errors.append(abs(loss.item() / dp - expected[k][0]))
+    finally:
+        pipe.close()  # (its process group: the worker process lives on into later tests)
+    params = expected[-1][1]
+    errors.append(max((_full(p) - params[name.split(".", 2)[2]]).abs().max().item()
+                      for name, p in pipe.named_parameters()))
+    return errors, compiled.programs(), [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("schedule, shape, names", [
+    ("1f1b", (2,), ("pp",)), ("gpipe", (2,), ("pp",)), ("interleaved", (2,), ("pp",)),
+    ("1f1b", (2, 2), ("pp", "tp")), ("1f1b", (2, 2), ("dp", "pp")),
+])
+def test_a_compiled_pipeline_step_replays_its_schedule_equal_to_one_process(schedule: str, shape: tuple[int, ...],
+                                                                            names: tuple[str, ...]) -> None:
+    """A stage's schedule, its messages (header and payloads, as eager sends them)
+    as host steps of the replayed graph: one program, every step's loss and the parameters
+    equal to one process."""
+    results = run_distributed(_pipeline, len(names) * 2, schedule, shape, names, timeout=600)
+    for rank, (errors, programs, caught) in enumerate(results):
+        assert not caught, (rank, caught)
+        assert programs == 1, (rank, programs)
+        assert max(errors) <= 1e-10, (rank, errors)
+    assert sum(len(errors) for errors, _, _ in results) == 5 * len(results) // 2 + len(results)  # the losses came
+
+
+def _pipeline_ranks_disagree() -> str:
+    """Rank 0 changes its batch's shape after 3 steps and traces again; rank 1 keeps its own
+    and replays: its replay receives a message of other shapes than it was traced with."""
+    from shardwise.pipeline import DistributedPipe, PipelineError
+
+    from ..pipeline._mlp import batch, mlp
+
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pipe = DistributedPipe(mlp(16), [3, 3], mesh, schedule="1f1b", chunks=4, loss_fn=F.mse_loss)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.05)
+
+    def step(pipe: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = pipe.step(x, y)
         opt.step()
         opt.zero_grad()
         return loss
 
     compiled = sw.compile(step)
+    x, y = batch(0, 8)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(3):
-                loss = compiled(pipe, opt, x)  # (the loss on the last stage, None on the first)
-                expected = F.mse_loss(ref(x), x.flip(0))
-                expected.backward()  # type: ignore[no-untyped-call]
-                ref_opt.step()
-                ref_opt.zero_grad()
-        err = 0.0 if loss is None else abs(loss.item() - expected.item())
+        for _ in range(3):
+            compiled(pipe, opt, x, y)
+        assert compiled.programs() == 1
+        try:
+            compiled(pipe, opt, x[:4] if mesh.get_local_rank() == 0 else x, y)
+        except (PipelineError, RuntimeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
     finally:
-        pipe.close()  # (its process group: the worker process lives on into later tests)
-    return compiled.programs(), [str(w.message) for w in caught], err
+        pipe.close()
 
 
-def test_a_pipeline_step_is_not_replayed_yet_it_runs_eagerly_with_a_warning() -> None:
-    for rank, (programs, caught, err) in enumerate(run_distributed(_pipeline, 2, timeout=600)):
-        assert programs == 0 and any("runs eagerly" in w and "outside shardwise._comm" in w for w in caught), \
-            (rank, programs, caught)
-        assert err <= 1e-10, (rank, err)
+def test_a_replayed_pipeline_step_that_receives_other_shapes_fails_on_every_rank_at_once() -> None:
+    """The replay reads every message's header: the rank whose message disagrees with its trace
+    raises naming both shapes, and tells the stage waiting on it, which stops with
+    PipelineError instead of waiting for the timeout."""
+    rank0, rank1 = run_distributed(_pipeline_ranks_disagree, 2, timeout=120)
+    assert "traced receiving float64[2, 8]" in rank1 and "float64[1, 8]" in rank1, rank1
+    assert rank0.startswith("PipelineError") and "stage 1 on rank 1 raised RuntimeError" in rank0, rank0

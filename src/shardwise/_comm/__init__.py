@@ -36,7 +36,7 @@ from ._door import (
 from ._dry import dry_run_number
 from ._fault import CollectiveError, checking
 from ._metadata import all_gather_ints, broadcast, broadcast_object, gather_over_mesh
-from ._p2p import P2PError, P2PRecord, P2PWork, irecv, isend, recv, send
+from ._p2p import P2PError, P2PRecord, P2PWork, irecv, isend, received, recv, send
 
 __all__ = [
     "BUCKET_BYTES",
@@ -67,6 +67,7 @@ __all__ = [
     "has_pending",
     "intercept",
     "irecv",
+    "received",
     "isend",
     "must_be_synchronous",
     "notify",

@@ -174,12 +174,24 @@ class DryWork:
             assert self.key is not None and self.buffer is not None
             payload = _simulation().receive(self.rank, self.key)
             if not self.buffer.is_meta and not payload.is_meta:
-                self.buffer.copy_(payload)
+                _fill(self.buffer, payload)
             self.done = True
         return True
 
     def is_completed(self) -> bool:
         return self.done
+
+
+def _fill(buffer: torch.Tensor, payload: torch.Tensor) -> None:
+    """Copy a message into a receive buffer as gloo does: a shorter message fills the front of a
+    one-dimensional buffer of its dtype; a longer one is an error (gloo aborts the process)."""
+    if buffer.shape == payload.shape:
+        buffer.copy_(payload)
+    elif buffer.dim() == 1 and buffer.dtype == payload.dtype and payload.numel() <= buffer.numel():
+        buffer[:payload.numel()].copy_(payload.reshape(-1))
+    else:
+        raise RuntimeError(f"a message of shape {tuple(payload.shape)} ({payload.dtype}) arrived in a receive buffer of "
+                           f"shape {tuple(buffer.shape)} ({buffer.dtype}): the ranks' sends and receives do not match")
 
 
 def post_send(tensor: torch.Tensor, src: int, dst: int, tag: int, group: Any) -> DryWork:

@@ -23,7 +23,7 @@ from ._async import has_pending, wait_pending
 from ._door import CommRecord, notify
 from ._fault import CollectiveError, diagnose, group_ranks
 
-__all__ = ["P2PRecord", "P2PError", "P2PWork", "isend", "irecv", "send", "recv"]
+__all__ = ["P2PRecord", "P2PError", "P2PWork", "isend", "irecv", "received", "send", "recv"]
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,11 @@ def isend(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0, label: st
     return P2PWork(work, "send", dst, tag, label, buf, group)
 
 
-def irecv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0, label: str = "a tensor") -> P2PWork:
-    """Post a receive into `tensor` (contiguous) from global rank `src` of `group`."""
+def irecv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0, label: str = "a tensor",
+          record: bool = True) -> P2PWork:
+    """Post a receive into `tensor` (contiguous) from global rank `src` of `group`. With
+    `record=False` the message is not recorded now: a caller whose buffer may be longer than
+    the message (which fills its front) calls `received(work, nbytes)` once it knows the size."""
     if has_pending():
         wait_pending()
     _check_peer("irecv", src, tensor, group)
@@ -119,8 +122,14 @@ def irecv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0, label: st
                 dist.irecv(tensor, src, group=group, tag=tag))
     except RuntimeError as exc:
         raise P2PWork(None, "recv", src, tag, label, tensor, group).error(exc) from exc
-    notify(P2PRecord("recv", 2, tensor.numel() * tensor.element_size(), src, tag, label, 0))
+    if record:
+        notify(P2PRecord("recv", 2, tensor.numel() * tensor.element_size(), src, tag, label, 0))
     return P2PWork(work, "recv", src, tag, label, tensor, group)
+
+
+def received(work: P2PWork, nbytes: int) -> None:
+    """Record the receive `work` (posted with `record=False`) as a message of `nbytes` bytes."""
+    notify(P2PRecord("recv", 2, nbytes, work.peer, work.tag, work.label, 0))
 
 
 def send(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0, label: str = "a tensor",

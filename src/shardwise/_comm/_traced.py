@@ -13,6 +13,12 @@ Two tracers use it:
   door sends every collective of a fake piece here (`is_traced`), so the compiled graph
   holds one node per collective, which inductor calls as an extern kernel.
 
+The same library holds `shardwise::host`, one opaque step of host work in a graph that only
+`shardwise.compile` records: `host_node(fn, inputs, made)` files `fn` (a function of a list
+of tensors to a list of tensors) and calls `shardwise::host(inputs, number)`, whose kernel
+calls it at every replay. A pipeline's messages are such steps (their headers carry shapes
+and failures, read in Python at every replay, see `pipeline._wire`).
+
 Records are kept while their graphs may run; `forget` drops those of a graph that will not
 (`shardwise.compile` knows when its programs go). `torch.compile` does not say when a graph
 is dropped, so its records (`as_node` without `made`) are filed once per distinct collective:
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -32,16 +39,21 @@ from .._mesh_dry import CACHE_SIZES
 from ._collectives import AllGather, Collective
 from ._dry import result_shape
 
-__all__ = ["COLLECTIVE", "LIB", "as_node", "forget", "is_traced", "record"]
+__all__ = ["COLLECTIVE", "HOST", "LIB", "as_node", "forget", "host_node", "is_traced", "record"]
+
+HostFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 _CALLS: dict[int, Collective] = {}
+_HOSTS: dict[int, HostFn] = {}
 _SHARED: dict[Collective, int] = {}  # torch.compile's records, one number per distinct collective
 CACHE_SIZES["traced collective records"] = _CALLS.__len__
+CACHE_SIZES["traced host steps"] = _HOSTS.__len__
 _IDS = itertools.count()
 _LOCK = threading.Lock()
 
 LIB = torch.library.Library("shardwise", "FRAGMENT")  # type: ignore[no-untyped-call]
 LIB.define("collective(Tensor local, int call) -> Tensor")  # type: ignore[no-untyped-call]
+LIB.define("host(Tensor[] inputs, int call) -> Tensor[]")  # type: ignore[no-untyped-call]
 
 
 def record(call: int) -> Collective:
@@ -56,6 +68,25 @@ def _fake(local: torch.Tensor, call: int) -> torch.Tensor:
 torch.library.register_fake("shardwise::collective", _fake, lib=LIB)
 
 COLLECTIVE = torch.ops.shardwise.collective.default
+
+
+def _host_kernel(inputs: list[torch.Tensor], call: int) -> list[torch.Tensor]:
+    return _HOSTS[call](list(inputs))
+
+
+LIB.impl("host", _host_kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+
+HOST = torch.ops.shardwise.host.default
+
+
+def host_node(fn: HostFn, inputs: list[torch.Tensor], made: list[int]) -> list[torch.Tensor]:
+    """`fn(inputs)` as one `shardwise::host` call: run now (while a trace records the call)
+    and at every replay of the graph; its number is appended to `made` (`forget` it with the graph)."""
+    with _LOCK:
+        key = next(_IDS)
+        _HOSTS[key] = fn
+    made.append(key)
+    return HOST(inputs, key)  # type: ignore[no-any-return]
 
 _TRACED_TYPES: tuple[type, ...] = (torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
 
@@ -100,3 +131,4 @@ def forget(keys: list[int]) -> None:
     """Drop the records of a graph that will not run again."""
     for key in keys:
         _CALLS.pop(key, None)
+        _HOSTS.pop(key, None)

@@ -22,9 +22,16 @@ replay. A call that creates optimizer state (the first step) is not kept: the ne
 which finds the state, is traced.
 A compiled function called inside another's trace runs as part of that trace.
 
+Host work that must happen at every call, not only at the trace, is one `shardwise::host` node
+(`_compile_comm.Trace.host`): a pipeline's point-to-point messages, whose headers are read in
+Python (shapes, a peer's failure), and the ring rotation's. Code that files such steps may
+register hooks the replay calls before the graph and when it raises (a pipeline relays the
+failure to the stages it owes messages, as its eager step does), or refuse the trace.
+
 What cannot be replayed is refused after the trace: values read back into Python
 (`.item()`, data-dependent shapes), random ops (not those with a dropout probability of 0,
-as attention is called in eval), collectives outside `shardwise._comm`, and an input
+as attention is called in eval), collectives outside `shardwise._comm`, what a host step's
+owner refuses (`Trace.refuse`), and an input
 DTensor whose layout `fn` changed in place. A refused signature is traced once more on its
 next call (a first call may read values for one-time work, such as the ranks agreeing on a
 plain tensor once); refused again, it runs eagerly from then on, with a one-time warning
@@ -67,7 +74,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ._compile_optim import fused_for_trace, lr_inputs
-from ._compile_comm import COLLECTIVE, collectives_as_nodes, forget_calls
+from ._compile_comm import COLLECTIVE, HOST, Trace, collectives_as_nodes, forget_calls
 from ._dtensor import DTensor
 from ._replay_code import compile_graph
 
@@ -170,7 +177,7 @@ def _refusal(gm: torch.fx.GraphModule) -> Optional[str]:
     """Why this graph cannot be replayed, or None."""
     for node in gm.graph.nodes:
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target is COLLECTIVE:
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target in (COLLECTIVE, HOST):
             continue
         if target in _NOT_REPLAYABLE or _DATA_DEPENDENT_TAGS.intersection(target.tags):
             return f"{target} reads tensor values at trace time (data-dependent shape or value)"
@@ -184,24 +191,32 @@ def _refusal(gm: torch.fx.GraphModule) -> Optional[str]:
 class _Program:
     """One traced signature: the graph, where its inputs come from, how to wrap its outputs."""
 
-    __slots__ = ("forward", "out_tree", "outputs", "slot_writes", "calls")
+    __slots__ = ("forward", "out_tree", "outputs", "slot_writes", "calls", "begin", "failed")
 
     def __init__(self, gm: torch.fx.GraphModule, out_tree: Any, outputs: list[tuple[str, Any]],
-                 slot_writes: list[tuple[int, Any]], calls: list[int]) -> None:
+                 slot_writes: list[tuple[int, Any]], trace: Trace) -> None:
         self.forward = compile_graph(gm)
         self.out_tree = out_tree
         # per output leaf: ("dtensor", spec) | ("tensor", None) | ("input", index) | ("const", value)
         self.outputs = outputs
         # per rebound slot: (slot index, ("dtensor", spec) | ("tensor", None) | ("none", None))
         self.slot_writes = slot_writes
-        self.calls = calls
+        self.calls = trace.calls
+        self.begin, self.failed = trace.begin, trace.failed  # hooks of host work in the graph
 
     def __del__(self) -> None:
         forget_calls(self.calls)
 
     def run(self, inputs: list[Any], slots: list[_Slot]) -> Any:
-        with torch.no_grad():
-            results = self.forward(*[_local(t) for t in inputs if isinstance(t, torch.Tensor)])
+        for begin in self.begin:
+            begin()
+        try:
+            with torch.no_grad():
+                results = self.forward(*[_local(t) for t in inputs if isinstance(t, torch.Tensor)])
+        except BaseException as exc:
+            for failed in self.failed:
+                failed(exc)
+            raise
         k = 0
         leaves: list[Any] = []
         for kind, info in self.outputs:
@@ -297,19 +312,23 @@ class CompiledFunction:
             return results
 
         _TRACING[0] = True
-        with collectives_as_nodes() as calls:
+        with collectives_as_nodes() as trace:
             # values read into Python are recorded, not refused here: `_refusal` names them after the run
             try:
                 with fused_for_trace(leaves, lrs):
                     gm = make_fx(traced, tracing_mode="real", _error_on_data_dependent_ops=False)(
                         *[_local(t) for t in inputs if isinstance(t, torch.Tensor)]
                     )
+            except BaseException:
+                forget_calls(trace.calls)
+                raise
             finally:
                 _TRACING[0] = False
+        calls = trace.calls
         out, out_tree, after = seen["out"], seen["tree"], seen["after"]
         reason = self._check(inputs, before, pytree.tree_leaves(out), slots, state, after)
         if reason is not _FIRST_STEP:  # a first step is expected, not a problem: the next call traces
-            reason = _refusal(gm) or reason
+            reason = trace.refused or _refusal(gm) or reason
         if reason is not None:
             forget_calls(calls)
             # values read on a first call may come from one-time work (caches filling, the ranks
@@ -321,7 +340,7 @@ class CompiledFunction:
                 name = getattr(self._fn, "__qualname__", repr(self._fn))
                 warnings.warn(f"shardwise.compile({name}) runs eagerly for this signature: {reason}", stacklevel=3)
             return out
-        gm.graph.eliminate_dead_code(lambda n: n.target is COLLECTIVE or n.is_impure())
+        gm.graph.eliminate_dead_code(lambda n: n.target in (COLLECTIVE, HOST) or n.is_impure())
         gm.recompile()
         outside = _outside_tensors(gm)
         if outside and "outside" not in self._warned:
@@ -334,7 +353,7 @@ class CompiledFunction:
                 stacklevel=3,
             )
         self._remember(key, _Program(
-            gm, out_tree, _output_kinds(pytree.tree_leaves(out), tensor_ids), _slot_writes(state, after), calls
+            gm, out_tree, _output_kinds(pytree.tree_leaves(out), tensor_ids), _slot_writes(state, after), trace
         ))
         # replayed outputs carry no autograd history: neither do the traced ones, so both calls agree
         return pytree.tree_map_only(

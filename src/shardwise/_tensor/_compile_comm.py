@@ -6,20 +6,27 @@ for real, as Python calls a tracer sees inside of. While a trace runs,
 tensor collective and issues it as one `shardwise::collective` node (`_comm._traced`): the
 node's kernel runs the same record through the door (with the hook suspended, so the
 hooks below it, `comm_log()` among them, see it) at every replay.
+
+The block yields a `Trace`, which `current_trace()` returns to code running inside it: a
+caller whose host work must happen at every replay (a pipeline's messages, whose headers
+carry shapes and failures) files it as a `shardwise::host` node (`Trace.host`), registers
+hooks the replay calls before the graph and when it raises (`Trace.on_replay`), or says why
+the trace cannot be replayed (`Trace.refuse`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Optional
 
 import torch
 
 from .. import _comm
-from .._comm._traced import COLLECTIVE, as_node, forget
+from .._comm._traced import COLLECTIVE, HOST, HostFn, as_node, forget, host_node
 
-__all__ = ["COLLECTIVE", "collectives_as_nodes", "forget_calls"]
+__all__ = ["COLLECTIVE", "HOST", "Trace", "collectives_as_nodes", "current_trace", "forget_calls"]
 
 # The tensor-in, tensor-out records a trace turns into nodes (bookkeeping gathers are never offered).
 _TRACED = (_comm.AllGather, _comm.AllToAll, _comm.AllToAllBoxes, _comm.AllReduce, _comm.ReduceScatter)
@@ -43,14 +50,62 @@ class _AsNodes(_comm.Interceptor):
             return as_node(collective, local, self.made)
 
 
+class Trace:
+    """One running trace: the record numbers its nodes use (`calls`: keep them while the
+    graph lives, `forget_calls` after), the hooks its replays call, and why it may not be
+    replayed (`refused`)."""
+
+    def __init__(self, calls: list[int]) -> None:
+        self.calls = calls
+        self.begin: list[Callable[[], None]] = []
+        self.failed: list[Callable[[BaseException], None]] = []
+        self.refused: Optional[str] = None
+
+    def host(self, fn: HostFn, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`fn(inputs)` now and at every replay, as one node (see `_comm._traced.host_node`);
+        `fn` runs as eager code, with no trace current (so the code it calls is not traced twice)."""
+        def untraced(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+            saved, _CURRENT.trace = getattr(_CURRENT, "trace", None), None
+            try:
+                return fn(parts)
+            finally:
+                _CURRENT.trace = saved
+
+        return host_node(untraced, inputs, self.calls)
+
+    def on_replay(self, begin: Callable[[], None], failed: Callable[[BaseException], None]) -> None:
+        """Call `begin()` before every replay of the graph and `failed(exc)` when a replay
+        raises `exc` (it may raise an error of its own instead; the replay re-raises `exc` after)."""
+        self.begin.append(begin)
+        self.failed.append(failed)
+
+    def refuse(self, reason: str) -> None:
+        """This trace cannot be replayed: the function runs eagerly, warning with `reason`."""
+        if self.refused is None:
+            self.refused = reason
+
+
+_CURRENT = threading.local()
+
+
+def current_trace() -> Optional[Trace]:
+    """The trace running on this thread, or None."""
+    return getattr(_CURRENT, "trace", None)
+
+
 @contextlib.contextmanager
-def collectives_as_nodes() -> Iterator[list[int]]:
+def collectives_as_nodes() -> Iterator[Trace]:
     """Inside the block, tensor collectives run as `shardwise::collective` nodes; yields the
-    call ids made (keep them while the graph lives, `forget_calls` after)."""
+    block's `Trace`."""
     _comm.wait_pending()  # a background redistribute started before the trace finishes outside it
     hook = _AsNodes()
+    trace = Trace(hook.made)
     with _LOCK, _comm.intercept(hook):
-        yield hook.made
+        _CURRENT.trace = trace
+        try:
+            yield trace
+        finally:
+            _CURRENT.trace = None
 
 
 forget_calls = forget

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _comm as comm
+from .._tensor._compile_comm import current_trace
 from ._cp_comm import CpGroup
 from ._cp_flash import Pair, fold_heads, merge_into, pair_backward, repeat_heads
 from ._cp_layout import SequenceLayout
@@ -38,9 +39,28 @@ PairsFor = Callable[[int], list[Pair]]
 
 
 class _Shift:
-    """Send `x` to the next cp rank and receive the previous rank's block of `shape`."""
+    """Send `x` to the next cp rank and receive the previous rank's block of `shape`.
+
+    Under `shardwise.compile`'s trace, the ring's messages are two host steps of the graph
+    (see `_compile_comm.Trace.host`), posted where eager posts them and waited where eager
+    waits, so the replay overlaps the transfer with the block's compute as eager does."""
 
     def __init__(self, x: torch.Tensor, shape: tuple[int, ...], cp: CpGroup, transport: str, tag: int) -> None:
+        trace = current_trace() if transport == "ring" else None
+        self._traced: Optional[Callable[[], torch.Tensor]] = None
+        if trace is not None:
+            held: list[_Shift] = []
+
+            def start(parts: list[torch.Tensor]) -> list[torch.Tensor]:  # at the trace and at every replay
+                held.append(_Shift(parts[0], shape, cp, transport, tag))
+                return []
+
+            def wait(_: list[torch.Tensor]) -> list[torch.Tensor]:
+                return [held.pop().wait()]
+
+            trace.host(start, [x.contiguous()])
+            self._traced = lambda: trace.host(wait, [])[0]
+            return
         n, r = cp.size, cp.rank
         nxt, prv = (r + 1) % n, (r - 1) % n
         if transport == "ring":
@@ -57,6 +77,8 @@ class _Shift:
             self._works, self._started = [], comm.start(record, x.contiguous())
 
     def wait(self) -> torch.Tensor:
+        if self._traced is not None:
+            return self._traced()
         if self._started is not None:
             return self._started.result()
         for work in self._works:

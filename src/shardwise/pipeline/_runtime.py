@@ -69,12 +69,14 @@ from .._mesh import DeviceMesh, collective_timeout
 from .._mesh_dry import DryGroup, DryMesh, as_device_mesh
 from .._source_names import carry_source
 from .._tensor import DTensor
+from .._tensor._compile_comm import Trace, current_trace
 from ..parallel._context_parallel import Attention, cp_group, make_cp_attention
 from ..parallel._cp_attention import CpAttention
 from ..parallel._data_parallel import data_parallel
 from ._gradients import (check_shared, reduce_gradients, shared_across_ranks, shared_groups, sum_cp_gradients,
                          sum_shared_gradients, whole_loss)
 from ._microbatch import Batch, BatchValue, gather
+from ._replay import ReplayedStep
 from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ._stage import PipelineStage, split_module
 from ._step import StepRun
@@ -272,25 +274,54 @@ class DistributedPipe(nn.Module):
     def _holds(self, stage: int) -> bool:
         return stage in self.stages
 
-    def _execute(self, run: StepRun, order: list[Action], input: Any, target: Any) -> None:
+    def _check_usable(self) -> None:
         if self._broken is not None:
             raise RuntimeError(f"this DistributedPipe failed in an earlier step ({self._broken}); its channels "
                                "may hold undelivered messages: build a new pipe (after a dead process, new "
                                "process groups too)")
+
+    def _execute(self, run: StepRun, order: list[Action], input: Any, target: Any) -> None:
+        self._check_usable()
         k = 0
         self._steps += 1
         failure: Optional[tuple[BaseException, RemoteFailure]] = None
+        trace = current_trace()
+        replayed = self._traced(trace, order)
         attention = self._cp_attention(input) if self._cp is not None else None
         try:
             with Attention(attention) if attention is not None else nullcontext():
                 run.prepare(input, target)
                 for k, action in enumerate(order):
                     run.current = action
+                    if replayed is not None:
+                        replayed.k = k
                     run.do(action)
             run.current = None
         except BaseException as exc:
             failure = self._notify(exc, order[k:], run)
-        self._conclude(failure)
+        finally:
+            self._wire.traced = None
+        if failure is None and replayed is not None and trace is not None:
+            trace.host(replayed.conclude, [])  # the end-of-step check, at every replay too
+        else:
+            self._conclude(failure)
+
+    def _traced(self, trace: Optional[Trace], order: list[Action]) -> Optional[ReplayedStep]:
+        """Under `shardwise.compile`'s trace: the step whose messages become host steps of the
+        graph (see `_replay`), or None (not tracing, or refused: the step then runs eagerly)."""
+        if trace is None:
+            return None
+        if self._cp is not None:
+            trace.refuse("a context-parallel pipeline agrees on the sequence length over its pp ranks at every step")
+            return None
+        if any(c.crossing for c in self.plan.channels):
+            trace.refuse("messages between pipeline stages of different widths cross by the cross-mesh planner, "
+                         "which is not replayed yet")
+            return None
+        replayed = ReplayedStep(self, order)
+        trace.on_replay(replayed.begin, replayed.failed)
+        self._wire.traced = replayed
+        return replayed
 
     def _cp_attention(self, input: Any) -> CpAttention:
         """The step's context-parallel attention: the first stage's ranks tell the others the
@@ -308,7 +339,8 @@ class DistributedPipe(nn.Module):
                              f"{sorted(n for (n,) in rows if n >= 0) or 'none'}")
         return make_cp_attention(lengths.pop(), self._cp)
 
-    def _notify(self, exc: BaseException, remaining: list[Action], run: StepRun) -> tuple[BaseException, RemoteFailure]:
+    def _notify(self, exc: BaseException, remaining: list[Action],
+                run: StepRun | ReplayedStep) -> tuple[BaseException, RemoteFailure]:
         """Tell every stage this rank still owes a message that the step failed; return the error to raise here."""
         action = run.current
         where = (f"before its first micro-batch of step {self._steps}" if action is None else

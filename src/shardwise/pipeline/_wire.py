@@ -8,11 +8,15 @@ its own tag (`micro-batch * channels + channel`), so a receiver never depends on
 order in which a peer posts its sends; `ChannelPlan` numbers the channels the same way
 on every process.
 
-A message is a header (status, metadata size, tensor count, origin of a failure), the
-pickled metadata (the value's structure with each tensor's shape and dtype; non-tensor
-values travel inside it), then one payload per non-empty tensor. Sending shapes along
-costs one small message but lets every micro-batch differ (an uneven last one, a skip
-that is `None` this time) with no agreement ahead of time.
+A message is a header (status, metadata size, tensor count, origin of a failure, whether
+the payloads follow inside it, and the pickled metadata itself when it fits in the header's
+`INLINE` bytes: the value's structure with each tensor's shape and dtype, non-tensor values
+inside it), the metadata as a message of its own only when it does not fit, then one payload
+per non-empty tensor. A receiver posts every header's receive as `PACKED` bytes before it
+knows the message's size (a shorter message fills the front of it), so a sender puts the
+payloads of a small value into the header itself, behind its `HEADER` words: a small message
+is one transfer, not three. Sending shapes along lets every micro-batch differ (an uneven
+last one, a skip that is `None` this time) with no agreement ahead of time.
 
 The header is also how failure spreads. A stage that fails sends, on every channel it
 still owes a message this step, a header that says *failed* and carries the cause as
@@ -26,6 +30,7 @@ the same rank never touch the network: they wait in a mailbox.
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,8 +44,10 @@ from .._layout import contiguous_strides
 from .._redistribute._cross import _volume
 from .._tensor import DTensor, from_local
 from .._tensor._cross import _region
+from .._tensor._compile_comm import current_trace
 from .._tensor._redistribute import redistribute_local
 from ._crossing import Crossing, crossing, landing, spec_on
+from ._replay import ReplayedStep
 from ._schedule import Action
 from .skip._routes import SkipRoutes
 from .skip._namespace import Namespace
@@ -49,7 +56,11 @@ from .skip._tracker import SkipKey
 __all__ = ["Channel", "ChannelPlan", "PipelineError", "RemoteFailure", "Wire"]
 
 OK, FAILED, DIED = 0, 1, 2
-HEADER = 5  # int64: status, metadata bytes, tensor count, origin stage, origin rank
+HEADER = 64  # int64 words: status, metadata bytes, tensor count, origin stage, origin rank, payloads inside, metadata
+_FIELDS = 6
+INLINE = (HEADER - _FIELDS) * 8  # metadata bytes the header carries itself (a longer one follows it)
+PACKED = 64 * 1024  # bytes of a header message with its payloads inside: every header receive posts this many
+_ALIGN = 16
 
 
 class PipelineError(RuntimeError):
@@ -195,6 +206,8 @@ class Wire:
         self.num_channels = num_channels
         self.pending: list[comm.P2PWork] = []  # sends of this step, waited at its end
         self.mailbox: dict[tuple[int, int], Any] = {}
+        self.traced: Optional[ReplayedStep] = None  # the step `shardwise.compile` is tracing (see `_replay`)
+        self.prefetched: dict[tuple[int, int, int], comm.P2PWork] = {}  # header receives posted ahead (a replay's)
 
     def tag(self, channel: Channel, microbatch: int) -> int:
         return microbatch * self.num_channels + channel.index
@@ -211,8 +224,20 @@ class Wire:
         if channel.crossing:
             self._send_across(channel, microbatch, value, skeleton, tensors, meta)
             return
-        self._post(channel, microbatch, [OK, len(meta), len(tensors), -1, -1], meta,
-                   [_wire_view(t) for t in tensors if t.numel() > 0])
+        header, payload = [OK, len(meta), len(tensors), -1, -1, 0], [_wire_view(t) for t in tensors if t.numel() > 0]
+        step, trace = self.traced, current_trace()
+        if step is None or trace is None:
+            self._post(channel, microbatch, header, meta, payload)
+            return
+        k = step.k
+
+        def post(parts: list[Tensor]) -> list[Tensor]:  # at the trace and at every replay
+            step.at(k)
+            self._post(channel, microbatch, header, meta, parts)
+            step.sent.add((channel.index, microbatch))
+            return []
+
+        trace.host(post, payload)
 
     def _send_across(self, channel: Channel, microbatch: int, value: Any, skeleton: Any, tensors: list[Tensor],
                      meta: bytes) -> None:
@@ -235,11 +260,11 @@ class Wire:
                                        spec_on(self.tp_mesh, placed, slot.shape, t.dtype, order))
             pieces.append((_wire_view(t), move))
         for dst in channel.dst_ranks:
-            self._post(channel, microbatch, [OK, len(meta), len(tensors), -1, -1], meta, [], dst=dst)
+            self._post(channel, microbatch, [OK, len(meta), len(tensors), -1, -1, 0], meta, [], dst=dst, pack=False)
         for piece, move in pieces:
             for peer, box in move.routes.sends:
                 if _volume(box):
-                    self._post(channel, microbatch, None, b"", [_region(piece, box).contiguous()], dst=peer)
+                    self._post(channel, microbatch, None, b"", [_region(piece, box).contiguous()], dst=peer, pack=False)
 
     def send_failure(self, channel: Channel, microbatch: int, failure: RemoteFailure) -> None:
         """Tell `channel`'s receiver that this step failed (instead of the message it expects)."""
@@ -248,15 +273,24 @@ class Wire:
         text = failure.cause.encode()
         for dst in channel.dst_ranks or (channel.dst_rank,):
             self._post(channel, microbatch, [DIED if failure.died else FAILED, len(text), 0, failure.origin_stage,
-                                             failure.origin_rank], text, [], dst=dst)
+                                             failure.origin_rank, 0], text, [], dst=dst)
 
     def _post(self, channel: Channel, microbatch: int, header: Optional[list[int]], meta: bytes,
-              tensors: list[Tensor], dst: Optional[int] = None) -> None:
+              tensors: list[Tensor], dst: Optional[int] = None, pack: bool = True) -> None:
+        """Post a header (None: none) with `meta`, then `tensors`; with `pack`, tensors that fit
+        travel inside the header's message (see the module docstring)."""
         tag, label = self.tag(channel, microbatch), channel.label(microbatch)
         dst = channel.dst_rank if dst is None else dst
-        parts = [] if header is None else [torch.tensor(header, dtype=torch.int64, device=self.small_device)]
-        if meta:
-            parts.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.small_device))
+        parts: list[Tensor] = []
+        if header is not None:
+            inline_meta = len(meta) <= INLINE
+            packed = pack and inline_meta and tensors and HEADER * 8 + _packed_size(tensors) <= PACKED
+            parts.append(_header_words(header[:_FIELDS - 1] + [int(bool(packed))], meta if inline_meta else b"",
+                                       tensors if packed else [], self.small_device))
+            if not inline_meta:
+                parts.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.small_device))
+            if packed:
+                tensors = []
         try:
             for t in parts + tensors:
                 self.pending.append(comm.isend(t, dst, self.group, tag=tag, label=label))
@@ -271,11 +305,25 @@ class Wire:
             work.wait()
 
     def abandon(self) -> list[comm.P2PWork]:
-        """Forget the step's sends (after a failure some will never be received); return them so
-        the caller can keep their buffers alive."""
-        pending, self.pending = self.pending, []
+        """Forget the step's sends and the header receives posted ahead (after a failure some will
+        never complete); return them so the caller can keep their buffers alive."""
+        pending, self.pending = self.pending + list(self.prefetched.values()), []
         self.mailbox.clear()
+        self.prefetched.clear()
         return pending
+
+    def prefetch(self, receives: list[tuple[Channel, int]]) -> None:
+        """Post the header receive of each (channel, micro-batch) now: a header's receive is always
+        `PACKED` bytes, so a replay, which knows every receive of its step, posts them all at its
+        start and each message is there by the time its stage asks for it."""
+        for channel, microbatch in receives:
+            self.prefetched[(channel.index, microbatch, channel.src_rank)] = self._post_header(
+                channel, microbatch, channel.src_rank)
+
+    def _post_header(self, channel: Channel, microbatch: int, src: int) -> comm.P2PWork:
+        buf = torch.empty(PACKED, dtype=torch.uint8, device=self.small_device)
+        return comm.irecv(buf, src, self.group, tag=self.tag(channel, microbatch), label=channel.label(microbatch),
+                          record=False)  # recorded with the message's own size (`_header`)
 
     # -- receiving ----------------------------------------------------------------------------
 
@@ -292,36 +340,68 @@ class Wire:
         except comm.P2PError as exc:
             raise _never_sent(channel, microbatch, channel.src_rank, exc) from exc
 
-    def _header(self, channel: Channel, microbatch: int, src: int) -> tuple[Any, list[Any], bytes]:
-        """The header and metadata from `src`: the value's skeleton, its tensors' (shape, dtype)
-        and the raw metadata; RemoteFailure when the sender reports a failure."""
+    def _header(self, channel: Channel, microbatch: int, src: int) -> tuple[Any, list[Any], bytes,
+                                                                             Optional[list[Tensor]]]:
+        """The header and metadata from `src`: the value's skeleton, its tensors' (shape, dtype),
+        the raw metadata, and the tensors when they came inside the header (else None);
+        RemoteFailure when the sender reports a failure."""
         tag, label = self.tag(channel, microbatch), channel.label(microbatch)
-        header = torch.empty(HEADER, dtype=torch.int64, device=self.small_device)
-        status, meta_size, count, origin_stage, origin_rank = \
-            comm.irecv(header, src, self.group, tag=tag, label=label).wait().tolist()
-        meta = b""
-        if meta_size:
+        posted = self.prefetched.pop((channel.index, microbatch, src), None)
+        if posted is None:
+            posted = self._post_header(channel, microbatch, src)
+        message = posted.wait()
+        header = message[:HEADER * 8].cpu().view(torch.int64)
+        status, meta_size, count, origin_stage, origin_rank, packed = header[:_FIELDS].tolist()
+        if meta_size <= INLINE:
+            meta = header[_FIELDS:].numpy().tobytes()[:meta_size]
+        else:
             buf = torch.empty(meta_size, dtype=torch.uint8, device=self.small_device)
             meta = bytes(comm.irecv(buf, src, self.group, tag=tag, label=label).wait().cpu().numpy().tobytes())
         if status != OK:
+            comm.received(posted, HEADER * 8)
             raise RemoteFailure(meta.decode(errors="replace"), status == DIED, origin_stage, origin_rank,
                                 f"while waiting for {label} from rank {src}")
         skeleton, specs = pickle.loads(meta)
+        comm.received(posted, HEADER * 8 + (sum(_padded(math.prod(shape) * dtype.itemsize) for shape, dtype in specs)
+                                            if packed else 0))
         if len(specs) != count:
             raise RuntimeError(f"{label} from rank {src} is malformed: header says {count} tensors, metadata "
                                f"{len(specs)}; report this as a bug")
-        return skeleton, specs, meta
+        return skeleton, specs, meta, _unpack(message, specs, self.device) if packed else None
 
     def _receive(self, channel: Channel, microbatch: int, requires_grad: bool) -> Any:
+        label, src = channel.label(microbatch), channel.src_rank
+        step, trace = self.traced, current_trace()
+        if step is None or trace is None:
+            skeleton, specs, _, inside = self._header(channel, microbatch, src)
+            tensors = self._payloads(channel, microbatch, specs) if inside is None else inside
+            return _leaves(_unflatten(skeleton, tensors, self.tp_mesh, label), requires_grad)
+        k, traced = step.k, dict[str, Any]()
+        step.receives.append((channel, microbatch))
+
+        def receive(_: list[Tensor]) -> list[Tensor]:  # at the trace and at every replay
+            step.at(k)
+            skeleton, specs, meta, inside = self._header(channel, microbatch, src)
+            if traced.setdefault("meta", meta) != meta:
+                _, was = pickle.loads(traced["meta"])
+                raise RuntimeError(f"{label} from rank {src} holds tensors {_specs(specs)}, but this rank's compiled "
+                                   f"step was traced receiving {_specs(was)}: the ranks called it with different "
+                                   "shapes; call the step with the same batch shapes on every pp rank")
+            traced["skeleton"] = skeleton
+            return self._payloads(channel, microbatch, specs) if inside is None else inside
+
+        tensors = trace.host(receive, [])
+        return _leaves(_unflatten(traced["skeleton"], tensors, self.tp_mesh, label), requires_grad)
+
+    def _payloads(self, channel: Channel, microbatch: int, specs: list[Any]) -> list[Tensor]:
+        """The tensors of a message whose metadata said `specs`, received from its one sender."""
         tag, label, src = self.tag(channel, microbatch), channel.label(microbatch), channel.src_rank
-        skeleton, specs, _ = self._header(channel, microbatch, src)
         tensors = [torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
                    for shape, dtype in specs]
         works = [comm.irecv(t, src, self.group, tag=tag, label=label) for t in tensors if t.numel() > 0]
         for work in works:
             work.wait()
-        tensors = [t.view(torch.bool) if dtype == torch.bool else t for t, (_, dtype) in zip(tensors, specs)]
-        return _leaves(_unflatten(skeleton, tensors, self.tp_mesh, label), requires_grad)
+        return [t.view(torch.bool) if dtype == torch.bool else t for t, (_, dtype) in zip(tensors, specs)]
 
     def _receive_across(self, channel: Channel, microbatch: int, requires_grad: bool) -> Any:
         """Every sending rank's header first (any of them may report a failure), then this
@@ -335,7 +415,7 @@ class Wire:
             except comm.P2PError as exc:
                 raise _never_sent(channel, microbatch, src, exc) from exc
             if skeleton is None:
-                skeleton, specs, _ = found
+                skeleton, specs, _, _ = found
         tensors = []
         for slot, (shape, dtype) in zip(_slots(skeleton), specs):
             placements = slot.placements if isinstance(slot, _DSlot) else None
@@ -374,6 +454,53 @@ def _flatten(value: Any) -> tuple[Any, list[Tensor]]:
 
     skeleton = tuple(slot(v) for v in value) if isinstance(value, tuple) else slot(value)
     return skeleton, tensors
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _packed_size(tensors: list[Tensor]) -> int:
+    return sum(_padded(t.numel() * t.element_size()) for t in tensors)
+
+
+def _header_words(fields: list[int], meta: bytes, tensors: list[Tensor], device: torch.device) -> Tensor:
+    """A header message: its fields, its metadata (when given: it fits `INLINE` bytes), then
+    `tensors` (contiguous, non-empty), each from an `_ALIGN`-byte boundary; bytes on `device`."""
+    words = torch.zeros(HEADER, dtype=torch.int64)
+    words[:_FIELDS] = torch.tensor(fields, dtype=torch.int64)
+    if meta:
+        words[_FIELDS:].view(torch.uint8)[:len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+    if not tensors:
+        return words.view(torch.uint8).to(device)
+    out = torch.zeros(HEADER * 8 + _packed_size(tensors), dtype=torch.uint8, device=device)
+    out[:HEADER * 8] = words.view(torch.uint8).to(device)
+    at = HEADER * 8
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if not t.is_meta:  # (a dry run's message: its size is right, its bytes are not data)
+            out[at:at + n] = t.reshape(-1).view(torch.uint8)
+        at += _padded(n)
+    return out
+
+
+def _unpack(message: Tensor, specs: list[Any], device: torch.device) -> list[Tensor]:
+    """The tensors of `specs` ((shape, dtype) each; bools as bytes) from a header message that
+    carries them (see `_header_words`), copied out of it; empty ones made anew."""
+    at, out = HEADER * 8, []
+    for shape, dtype in specs:
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        t = torch.empty(shape, dtype=wire, device=device)
+        n = t.numel() * t.element_size()
+        if n:
+            t.copy_(message[at:at + n].view(wire).view(shape))
+            at += _padded(n)
+        out.append(t.view(torch.bool) if dtype == torch.bool else t)
+    return out
+
+
+def _specs(specs: list[Any]) -> str:
+    return ", ".join(f"{str(dtype).removeprefix('torch.')}{list(shape)}" for shape, dtype in specs) or "none"
 
 
 def _never_sent(channel: Channel, microbatch: int, src: int, exc: comm.P2PError) -> RemoteFailure:
