@@ -47,7 +47,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint",
                                          "collective_bookkeeping", "hf_load", "cross_mesh", "dry_run", "planner", "planner_quality",
                                          "planner_quality_llama", "context_parallel", "long_run",
-                                         "optimizer"}
+                                         "optimizer", "pipeline_steps"}
 
 
 def test_fsdp_rows_train_alike_with_one_collective_per_unit(quick_run: Any) -> None:
@@ -105,6 +105,16 @@ def test_train_steps_and_memory_rows(quick_run: Any) -> None:
         assert 0 < memory[name]["params"] < single["params"]
         assert memory[name]["peak"] < single["peak"]
     assert "memory of the TP MLP step" in proc.stdout and "train step" in proc.stdout
+
+
+def test_the_pipeline_step_row_trains_every_copy_alike_and_replays_one_program(quick_run: Any) -> None:
+    proc, record = quick_run
+    (row,) = record["benchmarks"]["pipeline_steps"]["rows"]
+    assert row["check"] == "ok", row  # every copy's stage ended with the one-process parameters
+    assert row["compiled_programs"] == [1, 1], row
+    for k in ("plain_ms", "shardwise_ms", "shardwise_compiled_ms", "torch_ms", "hand_ms", "compiled_vs_hand"):
+        assert isinstance(row[k], float), (k, row)
+    assert "pipeline train step" in proc.stdout
 
 
 def test_overlap_rows_time_sync_and_async_for_both_libraries(quick_run: Any) -> None:
