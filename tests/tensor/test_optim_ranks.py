@@ -164,6 +164,32 @@ def test_a_step_that_raises_is_undone_before_the_next_step_and_before_state_dict
         torch.testing.assert_close(p.full_tensor(), ref.detach())
 
 
+@distributed(world_size=2)
+def test_load_state_dict_frees_the_state_it_replaces_at_once() -> None:
+    """The kept swap holds the state's pieces between steps; loading a checkpoint must not keep
+    the replaced state alive until the next step (a second copy of every moment)."""
+    import gc
+    import weakref
+
+    mesh = sw.init_device_mesh("cpu", (2,))
+    p = sw.distribute_tensor(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), mesh,
+                             [Shard(0)]).requires_grad_()
+    opt = torch.optim.AdamW([p], lr=0.1, foreach=True)
+    for _ in range(2):
+        (p * p).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    saved["state"] = {k: {n: v.clone() for n, v in s.items()} for k, s in saved["state"].items()}
+    old = weakref.ref(opt.state[p]["exp_avg"]._local_tensor)  # type: ignore[attr-defined]
+    opt.load_state_dict(saved)
+    gc.collect()
+    assert old() is None, "the replaced state is still held"
+    (p * p).sum().backward()
+    opt.step()  # and the next step builds the swap afresh, from the loaded state
+    assert opt.state[p]["exp_avg"] is not None and int(opt.state[p]["step"]) == 3
+
+
 @pytest.mark.parametrize("kind", ["foreach", "fused", "for_loop"])
 @distributed(world_size=2)
 def test_the_kept_swap_sees_what_changed_between_steps(kind: str) -> None:

@@ -20,7 +20,8 @@ a group added, a state tensor replaced, a step that made new state -- is read af
 The step falls back to DTensor dispatch, unchanged, for any other optimizer (subclasses
 included: one may override `step` with other math), a `differentiable` one, or a parameter
 whose gradient is in another layout. A step that raises leaves its swap to be undone by the
-next step, `state_dict()` or `load_state_dict()`, whichever comes first.
+next step, `state_dict()` or `load_state_dict()`, whichever comes first; `load_state_dict()`
+also drops the kept swap, so the state it replaces is not held until the next step.
 """
 
 from __future__ import annotations
@@ -211,11 +212,18 @@ def _before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not opt.__dict__.get(_HOOKED_ATTR):  # a swap a raising step left is undone before any state_dict too
         opt.__dict__[_HOOKED_ATTR] = True
         opt.register_state_dict_pre_hook(_undo)
-        opt.register_load_state_dict_pre_hook(_undo)
+        opt.register_load_state_dict_pre_hook(_forget)
 
 
 def _undo(opt: torch.optim.Optimizer, *rest: Any) -> None:
     _after(opt, (), {})
+
+
+def _forget(opt: torch.optim.Optimizer, *rest: Any) -> None:
+    """Before `load_state_dict`: undo a swap left behind and drop the kept one, which holds the
+    state being replaced (the next step builds it afresh), so the old state is freed now."""
+    _after(opt, (), {})
+    opt.__dict__.pop(_CACHE_ATTR, None)
 
 
 def _after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
