@@ -105,3 +105,34 @@ def test_a_use_local_output_result_meeting_a_replicated_buffer_raises_and_left_p
     local = parallelize_module(copy.deepcopy(reference), mesh, {"up": ColwiseParallel()})
     rank = dist.get_rank()
     torch.testing.assert_close(local(x), want[:, rank : rank + 1])
+
+
+class _Shifted(torch.nn.Module):
+    """Its input, a plain tensor, meets its replicated `shift` at `aten.add`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shift
+
+
+@distributed(world_size=2)
+def test_a_model_sharded_after_another_checks_its_plain_tensors_as_the_first_did() -> None:
+    """The checked sites were kept once per process (and the op plans, which skip the check,
+    too): a second model meeting a plain tensor at a site the first had checked took its
+    rank-local tensor as global, silently, and a model's first step logged a check or not
+    by what had run before it."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    first = sw.distribute_module(_Shifted(), mesh)
+    with sw.comm_log() as log:
+        first(seeded(3, 6))
+    assert [r.op for r in log] == ["all_gather"]  # this site's check, whatever ran before in the process
+    with sw.comm_log() as later:
+        first(seeded(3, 6, seed=1))
+    assert later == []  # once per site: a model's later steps cost nothing
+    second = sw.distribute_module(_Shifted(), mesh)
+    mine = torch.full((3, 6), float(dist.get_rank()))  # per-rank data, as in the first model's place
+    with pytest.raises(ValueError, match=r"aten\.add\.Tensor: the plain tensor in argument 0 .*rank-local"):
+        second(mine)

@@ -40,13 +40,13 @@ from .. import _comm as comm
 from .._explicit import check_explicit
 from .._mesh_dry import CACHE_SIZES, PER_RANK_CACHES, DryMesh
 from .._layout import contiguous_strides
-from .._mesh import AbstractMesh
+from .._mesh import AbstractMesh, DeviceMesh
 from .._ops import ACTIVE_MODES, OpCall, OpRule, PlainTensor, ScalarTensor, make_plan, rule_for
 from .._ops._plan import RunDecomposed, RunOutside, RunPerMesh, RunSharded
 from .._ops._strided_plan import CatParts, SliceBackwardParts, SliceParts, SplitParts
 from .._ops._loss_parallel import LOSS_PARALLEL as _LOSS_MODE, LOSS_PARALLEL_OPS
 from .._spec import DTensorSpec, TensorMeta
-from ._plain import check_plain
+from ._plain import check_plain, forget_checks
 from ._torch_loss import warn_if_torch_loss_parallel
 from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, OutsidePlan, Plan, RestridedPlan, ViewPlan,
                      implicit, implicit_replication, misplaced, restride)
@@ -56,7 +56,7 @@ from ._strided import CatPlan, SliceBackwardPlan, SlicePlan, SplitPlan, Unstride
 from ._wrap import DTENSOR_CLASSES as _DTENSORS
 from ._wrap import DTensorBase, Wrapper
 
-__all__ = ["dispatch", "implicit_replication", "torch_dispatch"]
+__all__ = ["check_plain_afresh", "dispatch", "implicit_replication", "torch_dispatch"]
 
 # Keyed by (op, modes on, one entry per argument, kwargs): a DTensor contributes its spec
 # (hashed once, at creation), anything else (type, value): 2, 2.0 and True give different
@@ -155,6 +155,14 @@ def _first_run(key: tuple[Any, ...], func: Any, args: tuple[Any, ...], kwargs: d
                 restride(o)
     _PLANS[key] = run
     return out
+
+
+def check_plain_afresh(mesh: DeviceMesh) -> None:
+    """A module was just sharded over `mesh`: its first step checks its plain tensors at every
+    site on `mesh` (`_plain`), whatever ran before in this process. A cached plan skips the
+    check, so the plans are made again (pure: no communication) when any site was forgotten."""
+    if forget_checks(mesh):
+        _PLANS.clear()
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

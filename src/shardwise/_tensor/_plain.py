@@ -11,6 +11,11 @@ the plain tensors sit), the ranks of the mesh compare a fingerprint of each (sha
 three sums) and raise on every rank, naming the op, the argument and the ranks, when they
 differ. The site key leaves out the plain tensors' shapes and the scalars, which may differ
 between ranks, so every rank checks the same sites at the same time and none waits alone.
+A site is checked once per sharded model, not once per process: sharding a module over a
+mesh (`distribute_module`, `shard_module`, `parallelize_module`) forgets the sites checked
+on that mesh and the meshes inside it (`forget_checks`; every rank of those meshes shards
+the module too), so a second model meeting a rank-local tensor where an earlier one met a
+replicated tensor still raises, and a model's first step checks what it would first in a process.
 
 Inside `implicit_replication()` the user vouches for the tensors and nothing is checked.
 A 0-dim tensor is a scalar, as a Python number is (a step count, a learning rate, a loss
@@ -32,9 +37,9 @@ from .._mesh_dry import DryMesh
 from ._foreign import is_torch_dtensor, refuse_torch_dtensor
 from ._wrap import DTensorBase
 
-__all__ = ["FINGERPRINT_WIDTH", "check_plain", "fingerprint", "same_fingerprint"]
+__all__ = ["FINGERPRINT_WIDTH", "check_plain", "fingerprint", "forget_checks", "same_fingerprint"]
 
-_CHECKED: set[tuple[Any, ...]] = set()
+_CHECKED: dict[DeviceMesh, set[tuple[Any, ...]]] = {}  # the DTensors' mesh -> its checked sites
 _MAX_DIMS = 8
 _WIDTH = 1 + _MAX_DIMS + 3  # ndim, shape padded, three sums as float64 bits
 FINGERPRINT_WIDTH = _WIDTH
@@ -92,6 +97,16 @@ def _plain_elements(func: Any, args: tuple[Any, ...]) -> frozenset[str]:
     return frozenset(f"{k}]" for k in range(n) if not any(isinstance(a[k], DTensorBase) for a in full))
 
 
+def forget_checks(mesh: DeviceMesh) -> bool:
+    """Check again every site on `mesh` and on the meshes whose ranks all belong to it (a module
+    was just sharded over `mesh`); whether there was any."""
+    ranks = set(mesh.mesh.flatten().tolist())
+    gone = [m for m in _CHECKED if ranks.issuperset(m.mesh.flatten().tolist())]
+    for m in gone:
+        del _CHECKED[m]
+    return bool(gone)
+
+
 def check_plain(func: Any, modes: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise on every rank when a plain tensor meeting DTensors at this op differs between ranks
     (checked once per site; see the module docstring)."""
@@ -113,11 +128,12 @@ def check_plain(func: Any, modes: Any, args: tuple[Any, ...], kwargs: dict[str, 
         return
     site = (func, modes, tuple(t._spec if isinstance(t, DTensorBase) else where for where, t in found),
             (mesh.get_rank(), comm.dry_run_number()) if dry else None)  # once per simulated rank and dry run
-    if site in _CHECKED:
+    checked = _CHECKED.setdefault(mesh, set())
+    if site in checked:
         return
     mine = [v for _, t in plain for v in fingerprint(t)]
     rows = comm.gather_over_mesh(mine, mesh.get_all_groups(), mesh.shape)
-    _CHECKED.add(site)
+    checked.add(site)
     ranks = mesh.mesh.flatten().tolist()
     for k, (where, t) in enumerate(plain):
         pieces = [row[k * _WIDTH : (k + 1) * _WIDTH] for row in rows]

@@ -29,6 +29,7 @@ from .._mesh import DeviceMesh, get_current_mesh
 from .._mesh_dry import as_device_mesh
 from .._placement import Placement, Replicate
 from .._tensor import DTensor, distribute_tensor
+from .._tensor._dispatch import check_plain_afresh
 
 __all__ = ["distribute_module"]
 
@@ -174,6 +175,7 @@ def distribute_module(
     mesh = as_device_mesh(device_mesh if device_mesh is not None else get_current_mesh())
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"distribute_module needs a DeviceMesh, got {describe(mesh)}: build one with shardwise.init_device_mesh")
+    check_plain_afresh(mesh)  # a new model: its first step checks plain tensors meeting DTensors
     ties = Ties(module)
     if partition_fn is not None:
         for name, sub in list(module.named_modules()):

@@ -30,6 +30,7 @@ from .._describe import describe
 from .._mesh import DeviceMesh, get_current_mesh
 from .._mesh_dry import as_device_mesh
 from .._tensor import DTensor
+from .._tensor._dispatch import check_plain_afresh
 from ._distribute import Ties, distribute_module, place_parameter
 from ._grad_check import PlainGradientCheck
 from ._pretrained import adopt_save_pretrained
@@ -76,6 +77,7 @@ def shard_module(
         raise TypeError(f"shard_module takes a ShardingPlan or a ShardingPlanner, got {type(plan).__name__}")
     resolved = resolve(plan, module, mesh)
     _agree_on(resolved, mesh)
+    check_plain_afresh(mesh)  # a new model: its first step checks plain tensors meeting DTensors
 
     ties = Ties(module)
     for name, placements, order in resolved.params:
