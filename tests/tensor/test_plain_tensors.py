@@ -77,6 +77,23 @@ def test_implicit_replication_vouches_for_plain_tensors_and_skips_the_check() ->
     torch.testing.assert_close(y.to_local(), r.to_local() + mine)
 
 
+@distributed(world_size=2)
+def test_a_call_inside_implicit_replication_does_not_vouch_for_the_same_call_outside_it() -> None:
+    """The plan of `r + plain` made inside implicit_replication() (unchecked) was cached and
+    served the same call outside the block, which then took a rank-local tensor as global."""
+    mesh = sw.init_device_mesh("cpu", (2,))
+    r = sw.distribute_tensor(seeded(4, 3), mesh, [Replicate()])
+    mine = torch.full((4, 3), float(dist.get_rank()))
+    with sw.implicit_replication():
+        r + mine
+    with pytest.raises(ValueError, match=r"aten\.add\.Tensor: the plain tensor in argument 1 .*rank-local"):
+        r + mine
+    with sw.comm_log() as log, sw.implicit_replication():
+        y = r + mine  # still vouched for inside the block, with no check
+    assert log == []
+    torch.testing.assert_close(y.to_local(), r.to_local() + mine)
+
+
 class _Gated(torch.nn.Module):
     """A projection whose output is scaled by a table the plan does not mention."""
 

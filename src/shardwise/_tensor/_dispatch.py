@@ -46,7 +46,7 @@ from .._ops._plan import RunDecomposed, RunOutside, RunPerMesh, RunSharded
 from .._ops._strided_plan import CatParts, SliceBackwardParts, SliceParts, SplitParts
 from .._ops._loss_parallel import LOSS_PARALLEL as _LOSS_MODE, LOSS_PARALLEL_OPS
 from .._spec import DTensorSpec, TensorMeta
-from ._plain import check_plain, forget_checks
+from ._plain import check_plain, forget_checks, meets_plain
 from ._torch_loss import warn_if_torch_loss_parallel
 from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, OutsidePlan, Plan, RestridedPlan, ViewPlan,
                      implicit, implicit_replication, misplaced, restride)
@@ -76,6 +76,12 @@ _NDIM_OF, _DTYPE_OF, _DEVICE_TYPE_OF = (operator.attrgetter(n) for n in ("ndim",
 _SCALAR_TYPES = frozenset(_SCALARS)
 _CAT = torch.ops.aten.cat.default
 _LOSS_OPS = frozenset(LOSS_PARALLEL_OPS)  # torch's loss_parallel() around them is a mistake to warn of
+# A plan is made once and a cached plan skips `check_plain`. One made inside
+# implicit_replication() for a call where plain tensors meet DTensors (the user vouches for
+# them and nothing is checked) is cached under its key plus this mark, so the same call outside
+# the block still checks them once; inside the block a plan made outside serves as well (it is
+# the same plan), and calls without plain tensors share one plan in and out of the block.
+_IMPLICIT = ("implicit_replication",)
 
 
 def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -127,10 +133,18 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
     run = _PLANS.get(key)
     try:
         if run is None:
+            vouched = implicit()
+            if vouched:  # a plan made inside implicit_replication() over plain tensors is kept apart
+                marked = key + _IMPLICIT
+                run = _PLANS.get(marked)
+                if run is not None:
+                    return run(args, kwargs)
+                if meets_plain(func, args, kwargs):
+                    key = marked
             rule = rule_for(func, modes)
             if func in _LOSS_OPS and _LOSS_MODE not in modes:
                 warn_if_torch_loss_parallel(func)
-            if not (implicit() or rule.plain_as_replicated):
+            if not (vouched or rule.plain_as_replicated):
                 check_plain(func, modes, args, kwargs)
             return _first_run(key, func, args, kwargs, rule)
         return run(args, kwargs)

@@ -37,7 +37,7 @@ from .._mesh_dry import DryMesh
 from ._foreign import is_torch_dtensor, refuse_torch_dtensor
 from ._wrap import DTensorBase
 
-__all__ = ["FINGERPRINT_WIDTH", "check_plain", "fingerprint", "forget_checks", "same_fingerprint"]
+__all__ = ["FINGERPRINT_WIDTH", "check_plain", "fingerprint", "forget_checks", "meets_plain", "same_fingerprint"]
 
 _CHECKED: dict[DeviceMesh, set[tuple[Any, ...]]] = {}  # the DTensors' mesh -> its checked sites
 _MAX_DIMS = 8
@@ -107,13 +107,24 @@ def forget_checks(mesh: DeviceMesh) -> bool:
     return bool(gone)
 
 
+def _plain(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[tuple[str, Any]],
+                                                                                list[tuple[str, Any]]]:
+    """Every tensor of the call (where it sits, the tensor), and those of them a check compares."""
+    found = _walk(args, kwargs)
+    alone = _plain_elements(func, args)
+    return found, [(where, t) for where, t in found
+                   if not isinstance(t, DTensorBase) and t.ndim > 0 and where.rpartition("[")[2] not in alone]
+
+
+def meets_plain(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether plain tensors meet DTensors at this call (what `check_plain` would compare)."""
+    return bool(_plain(func, args, kwargs)[1])
+
+
 def check_plain(func: Any, modes: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise on every rank when a plain tensor meeting DTensors at this op differs between ranks
     (checked once per site; see the module docstring)."""
-    found = _walk(args, kwargs)
-    alone = _plain_elements(func, args)
-    plain = [(where, t) for where, t in found
-             if not isinstance(t, DTensorBase) and t.ndim > 0 and where.rpartition("[")[2] not in alone]
+    found, plain = _plain(func, args, kwargs)
     if not plain:
         return
     ours = next((t for _, t in found if isinstance(t, DTensorBase)), None)
