@@ -25,10 +25,11 @@ from torch import Tensor
 from ._schedule import Action
 
 if TYPE_CHECKING:
+    from .._tensor._compile_comm import Trace
     from ._runtime import DistributedPipe
     from ._wire import Channel
 
-__all__ = ["ReplayedStep"]
+__all__ = ["ReplayedStep", "traced_step"]
 
 
 class ReplayedStep:
@@ -68,3 +69,22 @@ class ReplayedStep:
         self.concluded = True
         self.pipe._conclude(None)
         return []
+
+
+def traced_step(pipe: DistributedPipe, trace: Optional[Trace], order: list[Action]) -> Optional[ReplayedStep]:
+    """Under `shardwise.compile`'s trace: the step whose messages become host steps of the
+    graph, its hooks registered with the trace; None when not tracing, or when the trace is
+    refused (the step then runs eagerly)."""
+    if trace is None:
+        return None
+    if pipe._cp is not None:
+        trace.refuse("a context-parallel pipeline agrees on the sequence length over its pp ranks at every step")
+        return None
+    if any(c.crossing for c in pipe.plan.channels):
+        trace.refuse("messages between pipeline stages of different widths cross by the cross-mesh planner, "
+                     "which is not replayed yet")
+        return None
+    replayed = ReplayedStep(pipe, order)
+    trace.on_replay(replayed.begin, replayed.failed)
+    pipe._wire.traced = replayed
+    return replayed

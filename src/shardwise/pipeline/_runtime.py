@@ -69,25 +69,25 @@ from .._mesh import DeviceMesh, collective_timeout
 from .._mesh_dry import DryGroup, DryMesh, as_device_mesh
 from .._source_names import carry_source
 from .._tensor import DTensor
-from .._tensor._compile_comm import Trace, current_trace
+from .._tensor._compile_comm import current_trace
 from ..parallel._context_parallel import Attention, cp_group, make_cp_attention
 from ..parallel._cp_attention import CpAttention
 from ..parallel._data_parallel import data_parallel
+from ._arguments import check_arguments, check_staged
 from ._gradients import (check_shared, reduce_gradients, shared_across_ranks, shared_groups, sum_cp_gradients,
                          sum_shared_gradients, whole_loss)
 from ._microbatch import Batch, BatchValue, gather
-from ._replay import ReplayedStep
+from ._replay import ReplayedStep, traced_step
 from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from ._stage import PipelineStage, split_module
 from ._step import StepRun
-from ._tensor_parallel import check_tp_plan, shard_stage, tp_dim_of
-from ._topology import Topology, stage_topology, uniform_topology
+from ._tensor_parallel import check_tp_plan, shard_stage
+from ._topology import stage_topology, uniform_topology
 from ._wire import ChannelPlan, PipelineError, RemoteFailure, Wire
 from .skip._routes import inspect_skip_layout
 
 __all__ = ["DistributedPipe", "PipelineError"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 LossFn = Callable[..., Tensor]
 
 
@@ -159,7 +159,7 @@ class DistributedPipe(nn.Module):
             raise TypeError(f"balance must be a list of layers per stage, got {describe(balance)}: e.g. [2, 2]")
         balance = list(balance)
         if isinstance(mesh, DeviceMesh):
-            dp_dim, tp_dim, cp_dim = _check_arguments(mesh, pp_dim, dp_dim, tp_dim, cp_dim, tp_plan, schedule,
+            dp_dim, tp_dim, cp_dim = check_arguments(mesh, pp_dim, dp_dim, tp_dim, cp_dim, tp_plan, schedule,
                                                       virtual_stages, len(balance), chunks)
             topology, stage_mesh = uniform_topology(mesh, pp_dim, dp_dim, tp_dim, cp_dim), mesh
             tp_mesh = mesh[tp_dim] if tp_dim is not None else None
@@ -169,7 +169,7 @@ class DistributedPipe(nn.Module):
                 raise ValueError(f"cp_dim={cp_dim!r} needs one mesh with pp and cp dims (e.g. ('pp', 'cp') or "
                                  "('pp', 'dp', 'cp', 'tp')), not a list of stage meshes")
             topology, stage_mesh, dp_dim, tp_dim = stage_topology(mesh, dp_dim, tp_dim)
-            _check_staged(topology, tp_plan, schedule, virtual_stages, len(balance), chunks)
+            check_staged(topology, tp_plan, schedule, virtual_stages, len(balance), chunks)
             tp_mesh = stage_mesh[tp_dim] if stage_mesh.ndim == 2 else stage_mesh
             zero_mesh = stage_mesh
         if shard_parameters and dp_dim is None:
@@ -286,7 +286,7 @@ class DistributedPipe(nn.Module):
         self._steps += 1
         failure: Optional[tuple[BaseException, RemoteFailure]] = None
         trace = current_trace()
-        replayed = self._traced(trace, order)
+        replayed = traced_step(self, trace, order)
         attention = self._cp_attention(input) if self._cp is not None else None
         try:
             with Attention(attention) if attention is not None else nullcontext():
@@ -305,23 +305,6 @@ class DistributedPipe(nn.Module):
             trace.host(replayed.conclude, [])  # the end-of-step check, at every replay too
         else:
             self._conclude(failure)
-
-    def _traced(self, trace: Optional[Trace], order: list[Action]) -> Optional[ReplayedStep]:
-        """Under `shardwise.compile`'s trace: the step whose messages become host steps of the
-        graph (see `_replay`), or None (not tracing, or refused: the step then runs eagerly)."""
-        if trace is None:
-            return None
-        if self._cp is not None:
-            trace.refuse("a context-parallel pipeline agrees on the sequence length over its pp ranks at every step")
-            return None
-        if any(c.crossing for c in self.plan.channels):
-            trace.refuse("messages between pipeline stages of different widths cross by the cross-mesh planner, "
-                         "which is not replayed yet")
-            return None
-        replayed = ReplayedStep(self, order)
-        trace.on_replay(replayed.begin, replayed.failed)
-        self._wire.traced = replayed
-        return replayed
 
     def _cp_attention(self, input: Any) -> CpAttention:
         """The step's context-parallel attention: the first stage's ranks tell the others the
@@ -403,88 +386,6 @@ class DistributedPipe(nn.Module):
     def _give_up(self, reason: str) -> None:
         self._broken = reason
         self._abandoned += self._wire.abandon()
-
-def _check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_dim: Optional[str],
-                     cp_dim: Optional[str], tp_plan: Optional[Mapping[str, Any]], schedule: str,
-                     virtual_stages: Optional[int], num_stages: int, chunks: int
-                     ) -> tuple[Optional[str], Optional[str], Optional[str]]:
-    """Problems with the mesh and the schedule, raised together; returns the dp, tp and cp dims."""
-    problems: list[str] = []
-    names = mesh.mesh_dim_names or ()
-    if pp_dim not in names:
-        problems.append(f"pp_dim={pp_dim!r} is not a dim of the mesh (dims: {names or 'unnamed'}): build the mesh "
-                        "with mesh_dim_names=(..., 'pp', ...) or pass pp_dim=")
-    if dp_dim is None and "dp" in names and pp_dim != "dp":
-        dp_dim = "dp"
-    elif dp_dim is not None and dp_dim == pp_dim:
-        problems.append(f"dp_dim={dp_dim!r} is also the pp dim: averaging gradients over it would mix different "
-                        f"stages' parameters; name a separate data-parallel mesh dim, or leave dp_dim=None")
-    elif dp_dim is not None and dp_dim not in names:
-        problems.append(f"dp_dim={dp_dim!r} is not a dim of the mesh (dims: {names}): name the mesh's data-parallel "
-                        "dim, or leave dp_dim=None for a mesh without one")
-    if cp_dim is None and "cp" in names and "cp" not in (pp_dim, dp_dim, tp_dim):
-        cp_dim = "cp"
-    elif cp_dim is not None and (cp_dim not in names or cp_dim in (pp_dim, dp_dim, tp_dim)):
-        problems.append(f"cp_dim={cp_dim!r} is not a dim of the mesh apart from its pp, dp and tp dims (dims: "
-                        f"{names}): name the mesh's context-parallel dim, or leave cp_dim=None")
-    tp_dim, tp_problems = tp_dim_of(mesh, pp_dim, dp_dim, tp_dim, tp_plan)
-    problems += tp_problems
-    others = [n for n in names if n not in (pp_dim, dp_dim, tp_dim, cp_dim)]
-    if others:
-        problems.append(f"mesh dims {others} are not the pp dim ({pp_dim!r}), the dp dim ({dp_dim!r}), the cp dim "
-                        f"({cp_dim!r}) or the tp dim ({tp_dim!r}): DistributedPipe runs over meshes of a pp dim and "
-                        "optionally dp, cp and tp dims; slice the mesh (mesh['pp', 'dp']) or name the dims")
-    if pp_dim in names:
-        problems += _schedule_problems(mesh.size(pp_dim), schedule, virtual_stages, num_stages, chunks)
-    elif schedule not in SCHEDULES:
-        problems.append(f"schedule={schedule!r} is not one of {SCHEDULES}")
-    if problems:
-        raise ValueError(problems[0] if len(problems) == 1 else f"{len(problems)} problems with the "
-                         "DistributedPipe arguments:\n" + "\n".join(f"  - {p}" for p in problems))
-    return dp_dim, tp_dim, cp_dim
-
-
-def _check_staged(topology: Topology, tp_plan: Optional[Mapping[str, Any]], schedule: str,
-                  virtual_stages: Optional[int], num_stages: int, chunks: int) -> None:
-    """Problems with the schedule and tp_plan of a pipe over one mesh per stage, raised together."""
-    problems = _schedule_problems(topology.pp, schedule, virtual_stages, num_stages, chunks)
-    if tp_plan is not None and not isinstance(tp_plan, Mapping):
-        problems.append(f"tp_plan must map module patterns of the whole model to ParallelStyles (as "
-                        f"parallelize_module takes), got {describe(tp_plan)}")
-    wide = [p for p in range(topology.pp) if len(topology.row(p)) > 1]
-    if wide and not tp_plan:
-        problems.append(f"stage meshes {wide} have tp rows of {[len(topology.row(p)) for p in wide]} ranks but "
-                        "there is no tp_plan, so those ranks would all compute the same thing: give tp_plan="
-                        "{pattern: ParallelStyle} naming the layers to shard")
-    if problems:
-        raise ValueError(problems[0] if len(problems) == 1 else f"{len(problems)} problems with the "
-                         "DistributedPipe arguments:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def _schedule_problems(pp: int, schedule: str, virtual_stages: Optional[int], num_stages: int,
-                       chunks: int) -> list[str]:
-    problems: list[str] = []
-    if schedule not in SCHEDULES:
-        problems.append(f"schedule={schedule!r} is not one of {SCHEDULES}")
-    else:
-        if schedule == "interleaved":
-            if num_stages % pp or num_stages == 0:
-                problems.append(f"interleaved 1F1B puts the same number of stages on each of the {pp} pp ranks, "
-                                f"but balance has {num_stages} stages: give len(balance) a multiple of {pp}")
-            elif virtual_stages is not None and virtual_stages * pp != num_stages:
-                problems.append(f"virtual_stages={virtual_stages} with {pp} pp ranks means {virtual_stages * pp} "
-                                f"stages, but balance has {num_stages}: give one balance entry per stage")
-            if isinstance(chunks, int) and chunks > 0 and chunks % pp:
-                problems.append(f"interleaved 1F1B sends micro-batches through the ranks in groups of {pp}, so "
-                                f"chunks ({chunks}) must be a multiple of {pp}")
-        else:
-            if num_stages != pp:
-                problems.append(f"schedule={schedule!r} runs one stage per pp rank, so balance needs {pp} entries "
-                                f"(got {num_stages}); use schedule='interleaved' for several stages per rank")
-            if virtual_stages not in (None, 1):
-                problems.append(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
-    return problems
-
 
 def _on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
