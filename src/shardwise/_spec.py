@@ -7,7 +7,7 @@ cache keys every op call on the specs of its arguments.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -60,14 +60,16 @@ class DTensorSpec:
         self.placements = placements
         self.tensor_meta = tensor_meta
         self.shard_order = shard_order
-        self._hash = hash((mesh, placements, tensor_meta, shard_order))
+        # hashed on first use, not here: torch.compile traces this constructor (a style's hook
+        # calling from_local), and dynamo before torch 2.13 cannot trace hash() of a tuple
+        self._hash: Optional[int] = None
 
     def __eq__(self, other: object) -> bool:
         if other is self:
             return True
         return (
             type(other) is DTensorSpec
-            and self._hash == other._hash
+            and hash(self) == hash(other)
             and self.placements == other.placements
             and self.tensor_meta == other.tensor_meta
             and self.shard_order == other.shard_order
@@ -75,7 +77,10 @@ class DTensorSpec:
         )
 
     def __hash__(self) -> int:
-        return self._hash
+        h = self._hash
+        if h is None:
+            h = self._hash = hash((self.mesh, self.placements, self.tensor_meta, self.shard_order))
+        return h
 
     # -- derived -------------------------------------------------------------------
     @property
