@@ -136,6 +136,32 @@ def test_no_module_over_500_lines() -> None:
     assert not over, f"modules over {MAX_LINES} lines (split them by job): {over}"
 
 
+# torch's private APIs that differ between the supported torch versions (`shardwise._compat`)
+_VERSIONED = frozenset({"nonstrict_trace", "register_constant", "resize_storage_bytes_", "skip_code",
+                        "_new_group_with_tag"})
+
+
+def _versioned_uses(tree: ast.AST) -> list[str]:
+    """torch's versioned private APIs a module reaches itself: as attributes (`torch._dynamo.
+    nonstrict_trace`, `torch._dynamo.disable`) or imported by name from torch."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (node.attr in _VERSIONED or (
+                node.attr == "disable" and isinstance(node.value, ast.Attribute) and node.value.attr == "_dynamo")):
+            found.append(node.attr)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            found += [a.name for a in node.names if a.name in _VERSIONED]
+    return found
+
+
+def test_version_dependent_private_apis_are_reached_only_through_compat() -> None:
+    """A new torch release is checked, and adapted, in one module: `_compat`."""
+    assert _versioned_uses(ast.parse("import torch._dynamo\ntorch._dynamo.disable(f)")) == ["disable"]  # it can fail
+    users = {name: uses for name, path in _modules().items() if name != f"{ROOT}._compat"
+             if (uses := _versioned_uses(ast.parse(path.read_text())))}
+    assert not users, f"call these through shardwise._compat instead: {users}"
+
+
 # What deciding an op's layout looks like in code: propagation and its types, the strategy
 # functions, the strided translation (`as_shard`), and the rule's layout facts.
 _LAYOUT_NAMES = frozenset({"propagate", "OpSchema", "OutputSharding", "OpStrategy", "PlacementStrategy", "TupleStrategy",

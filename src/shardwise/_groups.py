@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from ._compat import new_group_in_order
+
 __all__ = ["GROUPS", "POINT_TO_POINT", "collective_timeout", "crossing_group", "group_for"]
 
 GROUPS: dict[tuple[int, Any], Any] = {}  # (id of the world's group, ranks or a role) -> group
@@ -39,9 +41,7 @@ def group_for(ranks: tuple[int, ...], backend: Optional[str]) -> Any:
         else:
             # `new_group` sorts its ranks, but collectives must see the slice in mesh order
             # (piece j of an all_gather comes from mesh position j): keep the order given
-            group = dist.distributed_c10d._new_group_with_tag(
-                list(ranks), timeout=collective_timeout(), backend=backend, sort_ranks=False
-            )
+            group = new_group_in_order(ranks, collective_timeout(), backend)
         GROUPS[key] = group
     return group
 

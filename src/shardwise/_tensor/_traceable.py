@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .._compat import dynamo_disable, nonstrict_trace, register_pytree_constant, skip_code
 from .._mesh import DeviceMesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._layout import ShardOrder
@@ -84,12 +85,11 @@ def eager_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _register() -> None:
-    import torch._dynamo
     import torch.utils._pytree as pytree
 
     for cls in (DeviceMesh, *_mesh_subclasses()):
         if cls not in pytree.SUPPORTED_NODES:
-            pytree.register_constant(cls)
+            register_pytree_constant(cls)
     nodes: list[tuple[type, Callable[[Any], Any], Callable[[Any], Any]]] = [
         (Shard, lambda p: p.dim, Shard),
         (Replicate, lambda p: 0, lambda _: Replicate()),  # (a None context would be refused)
@@ -100,9 +100,9 @@ def _register() -> None:
         if cls not in pytree.SUPPORTED_NODES:
             pytree.register_pytree_node(cls, _flatten(context), _unflatten(rebuild))
     mark_loaded()
-    _ENTRIES["eager"] = torch._dynamo.disable(_eagerly)  # type: ignore[no-untyped-call]
+    _ENTRIES["eager"] = dynamo_disable(_eagerly)
     for name in ("from_local", "redistribute"):
-        _ENTRIES[name] = torch._dynamo.nonstrict_trace(_ENTRIES[name])
+        _ENTRIES[name] = nonstrict_trace(_ENTRIES[name])
 
 
 def _codes(obj: Any, seen: set[int]) -> Iterator[types.CodeType]:
@@ -136,8 +136,6 @@ def _skip_fresh_frames(module: ModuleType) -> None:
     inlines it from a compiled caller, as it treats torch's own code. (A frame it entered
     fresh, say `__torch_dispatch__` or `redistribute` run eagerly after a graph break, would
     be traced on its own: into the dispatcher, past a half-built DTensor.)"""
-    from torch._dynamo.eval_frame import skip_code
-
     name = module.__name__
     seen: set[int] = set()
     for value in list(vars(module).values()):

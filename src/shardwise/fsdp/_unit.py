@@ -32,6 +32,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from .. import _comm as comm
 from .._memory_events import memory_changed
 from .._mesh import DeviceMesh
+from .._compat import resize_storage_bytes_
 from .._placement import Placement, Replicate
 from .._tensor import DTensor
 from .._tensor._compile import mark_persistent
@@ -45,7 +46,7 @@ def _resize(t: torch.Tensor, nbytes: int) -> None:
     """Resize `t`'s storage in place, as a dispatched op: a trace (`shardwise.compile`) records
     it, where `untyped_storage().resize_` would be invisible and its replay would write into
     freed memory."""
-    torch.ops.inductor.resize_storage_bytes_(t, nbytes)
+    resize_storage_bytes_(t, nbytes)
 
 
 def _packing(params: Sequence[UnitParam], n: int, even: bool = False) -> tuple[tuple[int, ...], list[list[int]]]:
