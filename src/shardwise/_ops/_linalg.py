@@ -79,7 +79,8 @@ LINALG_OPS: dict[torch._ops.OpOverload, LinalgOp] = {
     aten.linalg_lu_solve.default: LinalgOp({"LU": 2, "pivots": 1, "B": 2}, linear=("B", (0,))),
     aten._linalg_solve_ex.default: LinalgOp({"A": 2, "B": _solve_rhs_core}, ("", "A", "A", "A"), ("B", (0,))),
     aten.linalg_cholesky_ex.default: LinalgOp({"self": 2}),
-    aten.cholesky.default: LinalgOp({"self": 2}),
+    # torch 2.15 dropped aten.cholesky (torch.cholesky now decomposes to linalg_cholesky_ex)
+    **({aten.cholesky.default: LinalgOp({"self": 2})} if hasattr(aten, "cholesky") else {}),
     aten.cholesky_inverse.default: LinalgOp({"self": 2}),
     aten.cholesky_solve.default: LinalgOp({"self": 2, "input2": 2}, linear=("self", (0,))),
     aten.linalg_eig.default: LinalgOp({"self": 2}),
