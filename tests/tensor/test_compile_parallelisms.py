@@ -191,6 +191,44 @@ def test_a_compiled_pipeline_step_replays_its_schedule_equal_to_one_process(sche
     assert sum(len(errors) for errors, _, _ in results) == 5 * len(results) // 2 + len(results)  # the losses came
 
 
+def _pipeline_twice() -> tuple[float, int]:
+    """One compiled function steps the pipe twice (two batches, one optimizer step): the two
+    steps' messages share their tags, so the replay must match each receive to its own step."""
+    from shardwise.pipeline import DistributedPipe
+
+    from ..pipeline._mlp import batch, mlp
+
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pipe = DistributedPipe(mlp(16), [3, 3], mesh, schedule="1f1b", chunks=2, loss_fn=F.mse_loss)
+    ref = mlp(16)
+    opt, ref_opt = torch.optim.AdamW(pipe.parameters(), lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
+
+    def step(pipe: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+        pipe.step(x[:4], y[:4])
+        pipe.step(x[4:], y[4:])  # gradients accumulate
+        opt.step()
+        opt.zero_grad()
+
+    compiled = sw.compile(step)
+    try:
+        for k in range(4):
+            x, y = batch(k, 8)
+            compiled(pipe, opt, x, y)
+            for half in (slice(0, 4), slice(4, 8)):
+                F.mse_loss(ref(x[half]), y[half]).backward()  # type: ignore[no-untyped-call]
+            ref_opt.step()
+            ref_opt.zero_grad()
+    finally:
+        pipe.close()
+    mine = [q for i, q in enumerate(ref.parameters()) if (i < 4) == (mesh.get_local_rank() == 0)]
+    return max((p - q).abs().max().item() for p, q in zip(pipe.parameters(), mine)), compiled.programs()
+
+
+def test_a_compiled_function_stepping_a_pipe_twice_replays_both_steps() -> None:
+    for rank, (err, programs) in enumerate(run_distributed(_pipeline_twice, 2, timeout=300)):
+        assert programs == 1 and err <= 1e-10, (rank, err, programs)
+
+
 def _pipeline_ranks_disagree() -> str:
     """Rank 0 changes its batch's shape after 3 steps and traces again; rank 1 keeps its own
     and replays: its replay receives a message of other shapes than it was traced with."""

@@ -218,8 +218,9 @@ class Wire:
         `PACKED` bytes, so a replay, which knows every receive of its step, posts them all at its
         start and each message is there by the time its stage asks for it."""
         for channel, microbatch in receives:
-            self.prefetched[(channel.index, microbatch, channel.src_rank)] = self._post_header(
-                channel, microbatch, channel.src_rank)
+            key = (channel.index, microbatch, channel.src_rank)
+            if key not in self.prefetched:  # (a function stepping the pipe twice: its second step posts its own)
+                self.prefetched[key] = self._post_header(channel, microbatch, channel.src_rank)
 
     def _post_header(self, channel: Channel, microbatch: int, src: int) -> comm.P2PWork:
         buf = torch.empty(PACKED, dtype=torch.uint8, device=self.small_device)
