@@ -147,8 +147,16 @@ def test_rank_that_exits_mid_collective_is_named_with_its_exit_code() -> None:
     assert not set(before) & set(after), "the pool should have been replaced"
 
 
+def _start_comm_worker() -> int:
+    import shardwise._comm as comm
+
+    return comm.run_async(lambda: 1).result()  # a background thread, as a redistribute(async_op=True) leaves
+
+
 def test_ranks_past_the_timeout_are_named_with_where_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the workers hold a second thread: the stacks were read before the body's thread was written
     before = run_distributed(_pid, 2)
+    assert run_distributed(_start_comm_worker, 2) == [1, 1]
     start = time.monotonic()
     with monkeypatch.context() as env, pytest.raises(DistributedTestError) as info:
         env.setenv("SHARDWISE_TEST_TIMEOUT", "3")  # the default timeout, as on a CI box

@@ -216,9 +216,15 @@ class _Pool:
         for rank in pending:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self._procs[rank].pid, signal.SIGUSR1)  # each dumps its Python stacks
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and not all(self._stack(rank) for rank in pending):
-            time.sleep(0.01)
+        # wait until every dump is written whole: faulthandler writes one thread at a time, and a
+        # worker with a background thread (shardwise's comm worker) writes the body's thread last
+        deadline, seen = time.monotonic() + 1.0, None
+        while time.monotonic() < deadline:
+            now = [self._stack(rank) for rank in pending]
+            if all(now) and now == seen:
+                break
+            seen = now
+            time.sleep(0.05)
         stopped = [RankFailure(rank, late, self._stack(rank)) for rank in pending]
         self.kill()
         raise DistributedTestError(name, self.world_size, failures + stopped)
