@@ -613,6 +613,32 @@ def test_public_attributes() -> None:
     assert [len(p) for p in pipe.partitions] == [1, 3]
 
 
+class _Named:
+    """torchgpipe's own suite passes `checkpoint=MyString('always')`: an object whose str() is the mode."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class _Mode(str):
+    pass
+
+
+@pytest.mark.parametrize("given", [_Named("always"), _Mode("except_last"), _Named("never")],
+                         ids=["object naming always", "str subclass", "object naming never"])
+def test_checkpoint_named_by_any_object_whose_str_is_a_mode_is_that_mode_as_torchgpipe_reads_it(given: Any) -> None:
+    # regression: torchgpipe's test_public_attrs passes checkpoint=MyString('always'); it was refused
+    pipe = Pipe(_four(), (1, 3), devices=("cpu", "cpu"), chunks=42.000, checkpoint=given)  # type: ignore[arg-type]
+    assert pipe.checkpoint == str(given) and type(pipe.checkpoint) is str
+    assert pipe.balance == [1, 3] and pipe.chunks == 42 and pipe.devices == [torch.device("cpu")] * 2
+    for wrong in (_Named("sometimes"), None, True, 2.5):
+        with pytest.raises(ValueError, match="checkpoint is not one of 'always', 'except_last', or 'never'"):
+            Pipe(_four(), [1, 3], devices=["cpu", "cpu"], checkpoint=wrong)  # type: ignore[arg-type]
+
+
 def test_layers_are_indexed_and_iterated_like_the_sequential() -> None:
     model = _four()
     layers = list(model)

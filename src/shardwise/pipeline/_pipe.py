@@ -37,7 +37,7 @@ from ._stream import AbstractStream, as_device, new_stream
 from .skip._routes import SkipRoutes, inspect_skip_layout
 from .skip._verify import verify_skippables
 
-__all__ = ["Pipe"]
+__all__ = ["Pipe", "as_given_by_torchgpipe"]
 
 Device = Union[torch.device, str, int]
 MODES = ("always", "except_last", "never")
@@ -53,6 +53,23 @@ def recommend_auto_balance(message: str) -> str:
             "  sample = torch.empty(...)\n"
             "  balance = balance_by_time(partitions, model, sample)\n\n"
             "  model = Pipe(model, balance, chunks=8)\n")
+
+
+def as_given_by_torchgpipe(chunks: Any, checkpoint: Any) -> tuple[Any, Any]:
+    """`chunks` and `checkpoint` as torchgpipe reads them where their meaning is plain: a whole
+    float is that many micro-batches (`chunks=8.0`), and any object whose `str()` names a mode
+    (a `str` subclass, an enum-like value) is that mode, as a plain `str`. Anything else is
+    returned as given, for `check_arguments` to refuse (2.5, NaN, "8", None)."""
+    if isinstance(chunks, float) and chunks.is_integer():
+        chunks = int(chunks)
+    if type(checkpoint) is not str and not isinstance(checkpoint, (bool, int, float, type(None))):
+        try:
+            text = str(checkpoint)
+        except Exception:
+            return chunks, checkpoint
+        if text in MODES:
+            checkpoint = text
+    return chunks, checkpoint
 
 
 def _moving_denied(devices: Sequence[torch.device]) -> TypeError:
@@ -169,9 +186,7 @@ class Pipe(nn.Module):
         if balance is None:
             raise ValueError(recommend_auto_balance(
                 "balance is required: pass balance=[layers of partition 0, layers of partition 1, ...]"))
-        given: object = chunks
-        if isinstance(given, float) and given.is_integer():
-            chunks = int(given)  # torchgpipe took chunks=8.0; 2.5, NaN or "8" are refused below
+        chunks, checkpoint = as_given_by_torchgpipe(chunks, checkpoint)
         balance = check_arguments(module, balance, chunks, checkpoint, "Pipe")
         if devices is not None and (isinstance(devices, (str, bytes, torch.device)) or not isinstance(devices, Iterable)):
             raise TypeError(f"devices must be a list of devices, one per partition, got {describe(devices)}: e.g. "

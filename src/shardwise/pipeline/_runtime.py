@@ -79,6 +79,7 @@ from ._gradients import (check_shared, reduce_gradients, shared_across_ranks, sh
 from ._microbatch import Batch, BatchValue, gather
 from ._replay import ReplayedStep, traced_step
 from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from ._pipe import as_given_by_torchgpipe
 from ._stage import PipelineStage, split_module
 from ._step import StepRun
 from ._tensor_parallel import check_tp_plan, shard_stage
@@ -149,6 +150,7 @@ class DistributedPipe(nn.Module):
                  chunks: int = 1, checkpoint: str = "except_last", loss_fn: Optional[LossFn] = None,
                  device: Optional[torch.device | str] = None, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
+        chunks, checkpoint = as_given_by_torchgpipe(chunks, checkpoint)
         staged = isinstance(mesh, (list, tuple))
         mesh = mesh if staged else as_device_mesh(mesh)  # an AbstractMesh: a dry run's pipe
         if not isinstance(mesh, DeviceMesh) and not staged:
