@@ -83,7 +83,14 @@ def qwen3_plan(norms: str) -> Callable[[Any], dict[str, Any]]:
 
 MODELS = {"bert": "bert (masked LM)", "t5": "t5 (encoder-decoder)", "phi3": "phi3 (fused qkv, gate_up)", "llama": "llama (sdpa, GQA)",
           "qwen3": "qwen3 (q/k norms)", "mixtral": "mixtral (MoE)", "mixtral64": "mixtral (MoE, eager experts)"}
-OPTIMIZERS: dict[str, dict[str, Any]] = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}
+OPTIMIZERS: dict[str, dict[str, Any]] = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False},
+                                         "default": {}}  # torch's choice: the for-loop on CPU
+
+
+def _optimizer(params: Any, optimizer: str) -> torch.optim.Optimizer:
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3, **OPTIMIZERS[optimizer])
 
 
 def train(which: str, plan: Callable[[Any], Any], mesh_shape: tuple[int, ...], optimizer: str = "foreach",
@@ -102,12 +109,16 @@ def train(which: str, plan: Callable[[Any], Any], mesh_shape: tuple[int, ...], o
         dp, coordinate = mesh_shape[0], mesh.get_coordinate()
         assert coordinate is not None
         rows = slice(coordinate[0] * 4 // dp, (coordinate[0] + 1) * 4 // dp)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, **OPTIMIZERS[optimizer]) for m in (reference, model)]
+    opts = [_optimizer(m.parameters(), optimizer) for m in (reference, model)]
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         ids = torch.randint(0, 64, (4, 8), generator=g)
         for m, opt, r in ((reference, opts[0], slice(None)), (model, opts[1], rows)):
             _loss(m, MODELS[which], ids[r]).backward()
+            # a plain parameter counts as replicated: its gradient reaches the optimizer plain and whole
+            odd = [(n, type(p.grad).__name__, getattr(p.grad, "placements", None)) for n, p in m.named_parameters()
+                   if not isinstance(p, sw.DTensor) and p.grad is not None and type(p.grad) is not torch.Tensor]
+            assert not odd, odd
             opt.step()
             opt.zero_grad()
     return max((_full(q).detach() - p.detach()).abs().max().item() for p, q in zip(reference.parameters(), model.parameters()))
@@ -131,6 +142,28 @@ def test_bert_and_t5_under_torch_style_plans_train_like_one_process_on_2_ranks(w
 def test_bert_and_t5_under_torch_style_plans_train_like_one_process_on_4_ranks(which: str, mesh_shape: tuple[int, ...],
                                                                                optimizer: str) -> None:
     assert train(which, bert_plan if which == "bert" else t5_plan, mesh_shape, optimizer) <= 1e-10
+
+
+def vocab_split_embedding(plan: Callable[[Any], dict[str, Any]], path: str) -> Callable[[Any], dict[str, Any]]:
+    """`plan` with the word embedding (tied to the LM head) split by vocab rows, its output a
+    replicated DTensor: what runs after it computes on DTensors, beside plain parameters."""
+    def with_embedding(model: Any) -> dict[str, Any]:
+        return {**plan(model), path: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(),
+                                                     use_local_output=False)}
+    return with_embedding
+
+
+# regression (issue 45): with the embedding split, BERT's plain MLM bias (beside the decoder tied to
+# the split embedding) got a DTensor gradient, and torch's default for-loop AdamW failed in its
+# in-place update of the plain state ("'Tensor' object has no attribute '_local_tensor'")
+@pytest.mark.parametrize("optimizer", ["default", "foreach", "fused", "sgd"])
+@pytest.mark.parametrize("which", ["bert", "t5"])
+@distributed(world_size=4)
+def test_bert_and_t5_with_a_vocab_split_embedding_train_like_one_process_with_every_optimizer(which: str,
+                                                                                             optimizer: str) -> None:
+    plan = vocab_split_embedding(bert_plan, "bert.embeddings.word_embeddings") if which == "bert" else \
+        vocab_split_embedding(t5_plan, "shared")
+    assert train(which, plan, (4,), optimizer) <= 1e-10
 
 
 @pytest.mark.parametrize("optimizer", ["AdamW", "Adam", "SGD"])

@@ -153,3 +153,54 @@ def test_a_model_sharded_after_another_checks_its_plain_tensors_as_the_first_did
     mine = torch.full((3, 6), float(dist.get_rank()))  # per-rank data, as in the first model's place
     with pytest.raises(ValueError, match=r"aten\.add\.Tensor: the plain tensor in argument 0 .*rank-local"):
         second(mine)
+
+
+# -- plain leaves and in-place ops on plain tensors ----------------------------------------------
+# regressions (issue 45): a plain bias beside a vocab-split weight got a Shard(0) DTensor gradient,
+# and the for-loop AdamW's `exp_avg_sq.addcmul_(grad, grad)` on its plain state then failed with
+# "AttributeError: 'Tensor' object has no attribute '_local_tensor'" (writing the moved self back)
+
+
+@pytest.mark.parametrize("placement", ["S(0)", "P(sum)", "R"])
+@pytest.mark.parametrize("n", [8, 7], ids=["even", "uneven"])
+@distributed(world_size=4)
+def test_an_in_place_op_on_a_plain_tensor_with_dtensor_operands_gives_the_whole_result(placement: str, n: int) -> None:
+    mesh = sw.init_device_mesh("cpu", (4,))
+    full, plain = seeded(n, dtype=torch.float64), seeded(n, seed=5, dtype=torch.float64)
+    if placement == "P(sum)":
+        d = sw.DTensor.from_local(full / 4, mesh, [sw.Partial()])
+    else:
+        d = sw.distribute_tensor(full, mesh, [Shard(0) if placement == "S(0)" else Replicate()])
+    want = plain.clone().addcmul_(full, full, value=0.5).add_(full)
+    got = plain.clone()
+    returned = got.addcmul_(d, d, value=0.5)
+    assert returned is got and type(got) is torch.Tensor
+    got.add_(d)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW default", "AdamW foreach", "AdamW fused", "SGD"])
+@distributed(world_size=4)
+def test_a_plain_parameter_gets_a_plain_whole_gradient_where_dtensors_gave_it_a_split_one(optimizer: str) -> None:
+    # y = x W^T + b with W split by rows (a vocab-split weight): b's gradient is the column sum of
+    # a column-split dy, Shard(0) on its own; a plain b must be stepped with the whole gradient
+    mesh = sw.init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(6, 10).double()  # 10 rows over 4 ranks: uneven
+    model = copy.deepcopy(reference)
+    model.weight = torch.nn.Parameter(sw.distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
+    kind, _, how = optimizer.partition(" ")
+    extra = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(how, {})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if kind == "SGD" else
+            torch.optim.AdamW(m.parameters(), lr=1e-2, **extra) for m in (reference, model)]
+    for step in range(3):
+        x = seeded(5, 6, seed=step, dtype=torch.float64)
+        for m in (reference, model):
+            m(x).pow(2).sum().backward()
+        assert type(model.bias.grad) is torch.Tensor  # plain and whole, as the parameter is
+        torch.testing.assert_close(model.bias.grad, reference.bias.grad, atol=1e-12, rtol=0)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(model.bias.detach(), reference.bias.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(model.weight.full_tensor().detach(), reference.weight.detach(), atol=1e-12, rtol=0)

@@ -8,7 +8,8 @@ output specs, local shapes, write-backs). This module only turns that plan into 
 once; every later call with the same key is a dictionary lookup followed by the runner's `run`.
 
 An argument the op writes (in-place self, `out=`) that had to be moved is written back
-into the layout it had, so a DTensor never changes layout behind its owner's back.
+into the layout it had, so a DTensor never changes layout behind its owner's back; a plain
+one counts as replicated and receives the whole value (`plain.add_(dtensor)` stays plain).
 
 The path of one call, `torch.mm(a, b)` with `a` S(0) and `b` R on a (4,) mesh:
 
@@ -46,6 +47,7 @@ from .._ops._plan import RunDecomposed, RunOutside, RunPerMesh, RunSharded
 from .._ops._strided_plan import CatParts, SliceBackwardParts, SliceParts, SplitParts
 from .._ops._loss_parallel import LOSS_PARALLEL as _LOSS_MODE, LOSS_PARALLEL_OPS
 from .._spec import DTensorSpec, TensorMeta
+from ._grad_reduce import watch_plain_leaf
 from ._plain import check_plain, forget_checks, meets_plain
 from ._torch_loss import warn_if_torch_loss_parallel
 from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, OutsidePlan, Plan, RestridedPlan, ViewPlan,
@@ -226,6 +228,8 @@ def _key_part(a: Any, func: Any, modes: frozenset[str], free: bool = False) -> A
     if isinstance(a, _SCALARS):
         return _FLOAT if free and a.__class__ is float else (a.__class__, a)
     if isinstance(a, torch.Tensor):
+        if a.requires_grad:  # a plain leaf, or a view of one (`weight.t()`): its DTensor gradient is made plain
+            _watch(a if a.is_leaf else a._base)
         if a.ndim == 0:
             return ScalarTensor(a.dtype, a.device.type)
         # counts as replicated; `check_plain` makes sure it is the first time at each site
@@ -246,6 +250,13 @@ def _key_part(a: Any, func: Any, modes: frozenset[str], free: bool = False) -> A
                     return (a.__class__, len(a), ScalarTensor(dtype, device))
         return (a.__class__, tuple(_key_part(x, func, modes, free) for x in a))
     return (a.__class__, a)
+
+
+def _watch(leaf: Optional[torch.Tensor]) -> None:
+    """Hook a plain leaf (not a fake or functional stand-in of one) that meets DTensors."""
+    if leaf is not None and leaf.requires_grad and leaf.is_leaf and \
+            (leaf.__class__ is torch.Tensor or isinstance(leaf, torch.nn.Parameter)):
+        watch_plain_leaf(leaf)
 
 
 # -- from a plan to its runner ---------------------------------------------------------------------

@@ -16,6 +16,13 @@ own; so does a gradient split part by part for a leaf that is not (`_StridedShar
 backward of a `split`), or the other way round. With several backward passes before an optimizer step, each pass reduces its own term,
 unless the passes run inside `shardwise.parallel.no_sync(model)` (`deferred` here): then
 the terms accumulate unreduced and the first backward after the block reduces their sum.
+
+A plain leaf (a parameter a plan left plain) that meets DTensors counts as replicated, so its
+gradient can come back as a DTensor: Partial, or split (the bias of a decoder tied to a
+vocab-split embedding gets `Shard(0)`). Its layout is "whole on every rank", so that gradient
+is reduced or gathered here too, into a plain whole tensor: the optimizer's in-place updates
+of the leaf and of its plain state never meet a DTensor. Dispatch hooks such a leaf the first
+time it meets a DTensor (`watch_plain_leaf`).
 """
 
 from __future__ import annotations
@@ -27,15 +34,15 @@ from typing import Any, Optional
 import torch
 
 from .. import _comm
-from .._placement import _StridedShard
+from .._placement import Replicate, _StridedShard
 from ._async import resolve
 from ._redistribute import move_between, redistribute_local
 from ._wrap import DTensorBase, wrap
 
-__all__ = ["deferred", "note_accumulated"]
+__all__ = ["deferred", "note_accumulated", "reduce_noted", "watch_plain_leaf"]
 
 _NOTED: list[Any] = []  # leaves (DTensors) whose gradient this backward pass still has to reduce
-# The backward pass (autograd graph task) whose end already has `_reduce_noted` queued. A pass
+# The backward pass (autograd graph task) whose end already has `reduce_noted` queued. A pass
 # that raises never runs its callback; the next pass queues its own and reduces both passes' leaves.
 _QUEUED_FOR: list[Optional[int]] = [None]
 _DEFERRED: dict[int, int] = {}  # id(leaf) -> how many `deferred` blocks hold it
@@ -57,17 +64,26 @@ def deferred(leaves: Iterable[torch.Tensor]) -> Iterator[None]:
                 del _DEFERRED[i]
 
 
+def watch_plain_leaf(leaf: torch.Tensor) -> None:
+    """Hook a plain leaf that requires grad and meets DTensors (once): a DTensor gradient
+    it receives is made plain and whole at the end of the backward pass."""
+    hooks = leaf._post_accumulate_grad_hooks
+    if not hooks or note_accumulated not in hooks.values():
+        leaf.register_post_accumulate_grad_hook(note_accumulated)  # type: ignore[no-untyped-call]
+
+
 def note_accumulated(leaf: torch.Tensor) -> None:
     """Post-accumulate-grad hook: queue `leaf` for the reduction at the end of this backward."""
     grad = leaf.grad
-    if not isinstance(grad, DTensorBase) or not isinstance(leaf, DTensorBase):
+    if not isinstance(grad, DTensorBase) or id(leaf) in _DEFERRED:
         return
-    have, want = grad._spec, leaf._spec
-    if not _to_relay(have, want) or have.mesh != want.mesh or id(leaf) in _DEFERRED:
-        return
+    if isinstance(leaf, DTensorBase):
+        have, want = grad._spec, leaf._spec
+        if not _to_relay(have, want) or have.mesh != want.mesh:
+            return
     task = torch._C._current_graph_task_id()
     if _QUEUED_FOR[0] != task:  # first leaf of this backward pass (or an earlier pass failed midway)
-        torch.autograd.Variable._execution_engine.queue_callback(_reduce_noted)
+        torch.autograd.Variable._execution_engine.queue_callback(reduce_noted)
         _QUEUED_FOR[0] = task
     _NOTED.append(leaf)
 
@@ -82,7 +98,22 @@ def _to_relay(have: Any, want: Any) -> bool:
         type(p) is _StridedShard for p in have.placements + want.placements)
 
 
-def _reduce_noted() -> None:
+def _target(leaf: torch.Tensor, have: Any) -> Any:
+    """The layout `leaf`'s gradient (now `have`) is moved into; None: it stays as it is."""
+    if not isinstance(leaf, DTensorBase):  # a plain leaf: whole on every rank
+        return have.with_placements((Replicate(),) * have.mesh.ndim)
+    if not _to_relay(have, leaf._spec):
+        return None
+    return have.with_placements(leaf._spec.placements, leaf._spec.shard_order)
+
+
+def _set_grad(leaf: torch.Tensor, piece: torch.Tensor, target: Any) -> None:
+    leaf.grad = wrap(piece, target) if isinstance(leaf, DTensorBase) else piece
+
+
+def reduce_noted() -> None:
+    """Move every gradient noted in this backward pass into its leaf's layout (the end-of-backward
+    callback; a check that reads the gradients at the end of backward calls it first)."""
     _QUEUED_FOR[0] = None
     leaves = list(_NOTED)
     _NOTED.clear()
@@ -90,19 +121,24 @@ def _reduce_noted() -> None:
     with torch.no_grad():
         for leaf in leaves:
             grad = leaf.grad
-            if not isinstance(grad, DTensorBase) or not _to_relay(grad._spec, leaf._spec):
+            if not isinstance(grad, DTensorBase):
                 continue  # replaced or reduced since it was noted
             have = grad._spec
-            target = have.with_placements(leaf._spec.placements, leaf._spec.shard_order)
+            target = _target(leaf, have)
+            if target is None:
+                continue
             local = resolve(grad._local_tensor)
+            if target == have:  # a replicated gradient of a plain leaf: its piece is the whole
+                _set_grad(leaf, local, target)
+                continue
             single = move_between(have, target).single
             if isinstance(single, _comm.AllReduce):
                 key = (single.group, single.size, single.op, single.mesh_dims)
                 buckets.setdefault(key, []).append((leaf, target, local))
             else:
-                leaf.grad = wrap(redistribute_local(local, have, target), target)
+                _set_grad(leaf, redistribute_local(local, have, target), target)
         for (group, n, op, mesh_dims), items in buckets.items():
             reduced = _comm.all_reduce_coalesced([local for _, _, local in items], group, n, op, mesh_dims=mesh_dims)
             for (leaf, target, _), piece in zip(items, reduced):
                 assert piece is not None  # every value was given: no absent ones
-                leaf.grad = wrap(piece, target)
+                _set_grad(leaf, piece, target)

@@ -179,7 +179,9 @@ class GeneralPlan:
             return _wrap_replicated(out, self.dynamic_mesh)
         for loc, back in self.writebacks:
             owner = _get(args, kwargs, loc)
-            owner._local_tensor.copy_(run_program(back.program, _get(local_args, local_kwargs, loc)))
+            value = run_program(back.program, _get(local_args, local_kwargs, loc))
+            # a plain owner counts as replicated: its move back is to Replicate, the whole value
+            (owner._local_tensor if isinstance(owner, DTensorBase) else owner).copy_(value)
         if self.relayout is not None:
             rewrap(args[0], out if isinstance(out, torch.Tensor) else local_args[0], self.relayout)
         if self.returns is not None:

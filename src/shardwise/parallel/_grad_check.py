@@ -27,6 +27,7 @@ from .. import _comm as comm
 from .._mesh import DeviceMesh
 from .._mesh_dry import DryMesh
 from .._tensor import DTensor
+from .._tensor._grad_reduce import reduce_noted
 from .._tensor._plain import FINGERPRINT_WIDTH, fingerprint, same_fingerprint
 
 __all__ = ["PlainGradientCheck"]
@@ -61,6 +62,7 @@ class PlainGradientCheck:
             torch.autograd.Variable._execution_engine.queue_callback(self._check)
 
     def _check(self) -> None:
+        reduce_noted()  # plain parameters' DTensor gradients made whole first: they are compared as such
         for h in self.handles:
             h.remove()
         self.handles.clear()

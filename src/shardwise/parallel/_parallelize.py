@@ -31,6 +31,7 @@ from .._mesh import DeviceMesh, get_current_mesh
 from .._mesh_dry import as_device_mesh
 from .._tensor import DTensor
 from .._tensor._dispatch import check_plain_afresh
+from .._tensor._grad_reduce import watch_plain_leaf
 from ._distribute import Ties, distribute_module, place_parameter
 from ._grad_check import PlainGradientCheck
 from ._pretrained import adopt_save_pretrained
@@ -100,6 +101,9 @@ def shard_module(
         distribute_module(module, mesh)
     elif resolved.sharders:  # plain parameters beside parallel layers: checked at the first backward
         PlainGradientCheck.install(module, mesh)
+        for p in module.parameters():  # a DTensor gradient they get (they count as replicated) is made plain
+            if p.requires_grad and not isinstance(p, DTensor):
+                watch_plain_leaf(p)
 
     for path, layout in resolved.outputs:
         module.get_submodule(path).register_forward_hook(_output_layout_hook(path, layout, mesh))
