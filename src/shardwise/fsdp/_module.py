@@ -25,15 +25,17 @@ def fsdp_class(cls: type) -> type:
 
 
 class UnshardHandle:
-    """A unit's all_gather started by `unshard(async_op=True)`; `wait()` finishes it."""
+    """An explicit `unshard(async_op=True)`: `wait()` finishes the unit's all_gather and registers
+    the unsharded parameters. The module's next forward finishes it too when nobody waited;
+    a `wait()` after that reshard (or after `reshard()`) does nothing, as under torch."""
 
     def __init__(self, unit: Optional[Unit]) -> None:
         self._unit = unit
 
     def wait(self) -> None:
-        if self._unit is not None:
-            self._unit.unshard()
-            self._unit = None
+        unit, self._unit = self._unit, None
+        if unit is not None and unit.requested:
+            unit.unshard()
 
 
 class FSDPModule:
@@ -72,19 +74,23 @@ class FSDPModule:
                 yield state
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
-        """Gather this module's unit now (the next forward uses it); with `async_op=True` return a
-        handle whose `wait()` finishes the gather, so it overlaps what runs in between."""
+        """Gather this module's unit now (not recursive) and register its unsharded parameters on
+        the modules: `module.weight` is the whole weight (a plain `nn.Parameter`; the tp DTensor
+        under tensor parallelism) until `reshard()` or the reshard after the module's forward.
+        With `async_op=True` return a handle whose `wait()` finishes the gather, so it overlaps
+        what runs in between; the parameters are registered at `wait()`."""
         unit = self._fsdp_state().unit
+        if unit is not None:
+            unit.request()
+            unit.start_gather()
         if async_op:
-            if unit is not None:
-                unit.start_gather()
             return UnshardHandle(unit)
         if unit is not None:
             unit.unshard()
         return None
 
     def reshard(self) -> None:
-        """Free this module's unsharded parameters."""
+        """Free this module's unsharded parameters and register the sharded ones again (not recursive)."""
         unit = self._fsdp_state().unit
         if unit is not None:
             unit.reshard()

@@ -13,6 +13,11 @@ exactly the tp piece the forward computes with.
 |---|---|---|
 | plain, shape G | `S(k)` on dp | G, plain |
 | DTensor on tp, piece L | `S(k)` on dp + tp placements, split order tp then dp | L, made a DTensor on tp again |
+
+After an explicit `FSDPModule.unshard()` the modules hold, as torch's FSDP2 has them, the
+unsharded parameter instead (`register_unsharded`): a plain `nn.Parameter` of G, or of L made
+a DTensor on tp, that aliases the unit's gathered storage, so it costs no memory and needs
+no copy. `register_sharded` puts the stored parameter back: the object the optimizer holds.
 """
 
 from __future__ import annotations
@@ -60,13 +65,50 @@ class UnitParam:
     unsynced: Optional[torch.Tensor] = None  # unsharded gradient summed while gradient sync is off
     partial: Optional[torch.Tensor] = None  # HSDP: this rank's reduce-scattered sum, not yet all-reduced
     kept: Optional[torch.Tensor] = None  # reshard_after_forward=int: this rank's piece of the smaller group
+    unsharded: Optional[nn.Parameter] = None  # what `register_unsharded` registers: an alias of `full`
+    sharded: Optional[nn.Parameter] = None  # the stored parameter while `unsharded` is registered in its place
 
     @property
     def param(self) -> DTensor:
-        """The stored parameter as registered now (`load_state_dict(assign=True)` and
-        `to_empty` replace or swap it)."""
+        """The stored parameter: as registered now (`load_state_dict(assign=True)` and
+        `to_empty` replace or swap it), or the one set aside while the unsharded one is."""
+        if self.sharded is not None:
+            return self.sharded  # type: ignore[return-value]
         owner, attr = self.owners[0]
         return owner._parameters[attr]  # type: ignore[return-value]
+
+    def register_unsharded(self) -> None:
+        """Register the unsharded parameter (`full`, which must be filled) where the stored one is.
+
+        It is made once per `full` tensor (the unit drops it when it makes a new one) and
+        aliases its storage, so each gather refills it in place, as torch's FSDP2 keeps one
+        unsharded parameter per parameter. Idempotent."""
+        if self.sharded is not None:
+            return
+        assert self.full is not None
+        owner, attr = self.owners[0]
+        stored = owner._parameters[attr]
+        assert stored is not None
+        if self.unsharded is None:
+            whole: torch.Tensor = self.full
+            if self.tp is not None:  # the tp piece, a DTensor on the tp mesh again (in the gathered dtype)
+                meta = self.tp.meta._replace(dtype=self.full.dtype)
+                whole = DTensor(self.full, DTensorSpec(self.tp.mesh, self.tp.placements, meta, self.tp.shard_order),
+                                requires_grad=False)
+            self.unsharded = nn.Parameter(whole, requires_grad=stored.requires_grad)
+        elif self.unsharded.requires_grad != stored.requires_grad:
+            self.unsharded.requires_grad_(stored.requires_grad)
+        self.sharded = stored
+        for owner, attr in self.owners:
+            owner._parameters[attr] = self.unsharded
+
+    def register_sharded(self) -> None:
+        """Put the stored parameter back where `register_unsharded` took it from. Idempotent."""
+        if self.sharded is None:
+            return
+        stored, self.sharded = self.sharded, None
+        for owner, attr in self.owners:
+            owner._parameters[attr] = stored
 
     def shape_on(self, rank: int) -> tuple[int, ...]:
         shape = list(self.full_shape)

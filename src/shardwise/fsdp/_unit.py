@@ -16,6 +16,13 @@ sum of its own pieces; on an HSDP mesh one `all_reduce` over the replicate dim f
 The forward computes with views of the unsharded tensors made by one autograd function per
 unit (`_UnitGrad`), whose backward receives every parameter's gradient at once: that is
 the moment the unit's backward is over, so the reduction starts there.
+
+An explicit `FSDPModule.unshard()` (`request`) also registers the unsharded parameters on
+the modules once the gather is done, as torch's FSDP2 does, so a program can read whole
+weights between steps; every reshard (explicit, after forward, after backward, before a
+`state_dict()` save or load) registers the stored sharded parameters again. The forward
+still computes with the views above (they shadow the registered parameter), so gradients
+reach the reduction the same way whether the unit was gathered by a forward or by the user.
 """
 
 from __future__ import annotations
@@ -132,6 +139,8 @@ class Unit:
         self.sync = True  # set_requires_gradient_sync
         self.all_reduce = True  # set_requires_all_reduce (HSDP)
         self.gathered = False
+        self.requested = False  # an explicit unshard(): register the unsharded parameters until a reshard
+        self.hooked = False  # the state_dict hooks of `request` are in place
         self.inflight: list[tuple[list[UnitParam], comm.Started]] = []
         # reshard_after_forward=int: the smaller group each rank keeps its piece over between forward and backward
         self.small: Optional[tuple[Any, int, int]] = None  # (group, size, this rank's index)
@@ -179,9 +188,15 @@ class Unit:
         memory_changed(self)  # gathering: a dry run's memory tracker counts the buffers as the unit's
 
     def unshard(self) -> None:
-        """Every parameter's unsharded tensor filled (waiting for a prefetch if one is in flight)."""
-        if self.gathered:
-            return
+        """Every parameter's unsharded tensor filled (waiting for a prefetch if one is in flight),
+        and registered on the modules when the user asked for it (`request`)."""
+        if not self.gathered:
+            self._gather()
+        if self.requested:
+            for p in self.params:
+                p.register_unsharded()
+
+    def _gather(self) -> None:
         self.start_gather()
         _, size, _ = self._source()
         for bucket, started in self.inflight:
@@ -207,6 +222,7 @@ class Unit:
     def reshard_to_small_group(self) -> None:
         """Keep this rank's piece of the small group (reshard_after_forward=int) and free the rest."""
         assert self.small is not None
+        self._unregister()
         if self.inflight:
             self.unshard()
         if not self.gathered:
@@ -228,12 +244,15 @@ class Unit:
         full = p.full
         if full is None or full.dtype != dtype or full.device != device:
             full = p.full = mark_persistent(torch.empty(p.full_shape, dtype=dtype, device=device))
+            p.unsharded = None  # it aliased the old tensor
         else:
             _resize(full, full.numel() * full.element_size())
         return full
 
     def reshard(self) -> None:
-        """Free the unsharded storage (the tensors stay for the next gather)."""
+        """Free the unsharded storage (the tensors stay for the next gather) and register the
+        stored sharded parameters again where an explicit unshard registered unsharded ones."""
+        self._unregister()
         if self.inflight:  # a prefetch nobody used: wait for it so its buffers can go
             self.unshard()
         for p in self.params:
@@ -246,6 +265,34 @@ class Unit:
                 _resize(p.full, 0)
         self.gathered = False
         memory_changed(self)  # freed in place: a dry run's memory tracker counts them as gone
+
+    # -- explicit unshard -----------------------------------------------------------------
+    def request(self) -> None:
+        """`FSDPModule.unshard()`: register the unsharded parameters once gathered (now, when
+        the unit is), until the next reshard. Issues no collective: the caller gathers."""
+        self.requested = True
+        if not self.hooked:
+            self.hooked = True
+            for owner in {id(o): o for p in self.params for o, _ in p.owners}.values():
+                # as torch's FSDP2: a state_dict save or load of the module reshards first, so it
+                # sees (and loads into) the stored sharded parameters, and the next gather reads them
+                owner.register_state_dict_pre_hook(self._before_state_dict)  # type: ignore[no-untyped-call]
+                owner.register_load_state_dict_pre_hook(self._before_state_dict)  # type: ignore[no-untyped-call]
+        if self.gathered:
+            self.unshard()
+
+    @property
+    def registered_unsharded(self) -> bool:
+        return any(p.sharded is not None for p in self.params)
+
+    def _before_state_dict(self, *args: Any) -> None:
+        if self.registered_unsharded:
+            self.reshard()
+
+    def _unregister(self) -> None:
+        self.requested = False
+        for p in self.params:
+            p.register_sharded()
 
     # -- compute views --------------------------------------------------------------------
     def views(self) -> list[torch.Tensor]:
