@@ -133,16 +133,18 @@ OPERATIONS: dict[str, tuple[Callable[[str, str], Callable[[], Any]], str]] = {
 }
 
 
-def _case(operation: str, fault: str, tmp: str, victim: int = VICTIM, late: float = 0.0) -> tuple[str, str, float]:
+def _case(operation: str, fault: str, tmp: str, victim: int = VICTIM, late: float = 0.0,
+          timeout: float = TIMEOUT) -> tuple[str, str, float]:
     """One rank's part: set up, then fault (`victim`) or run the operation, `late` seconds late
-    on the ranks other than 0 and the victim; (error type, message, seconds)."""
+    on the ranks other than 0 and the victim, under a collective `timeout`; (error type,
+    message, seconds)."""
     os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = str(DEADLINE)  # setting up waits for slow peers on a loaded machine
     if fault == "disagree":
         os.environ["SHARDWISE_CHECK"] = "1"
     setup, _ = OPERATIONS[operation]
     act = setup(fault, tmp)
     dist.barrier()  # everyone set up: the clock starts together
-    os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = str(TIMEOUT)
+    os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = str(timeout)
     start = time.monotonic()
     if dist.get_rank() == victim and fault == "kill":
         os._exit(17)
@@ -178,8 +180,11 @@ def _stall_until_the_others_reported() -> None:
     case fails on the survivor's missing reply.)"""
     store = dist.distributed_c10d._get_default_store()
     until = time.monotonic() + DEADLINE
-    while store.add(_REPORTED, 0) < WORLD - 1 and time.monotonic() < until:
-        time.sleep(0.1)
+    try:
+        while store.add(_REPORTED, 0) < WORLD - 1 and time.monotonic() < until:
+            time.sleep(0.1)
+    except Exception:
+        pass  # the store's host (rank 0) has exited with its error: it was the last to report
 
 
 def _rank_main(rank: int, port: int, conn: Any, args: tuple[Any, ...]) -> None:
@@ -231,6 +236,28 @@ def test_every_survivor_names_the_operation_and_the_faulty_rank(operation: str, 
     if fault != "disagree":
         return
     assert results[VICTIM][0] in ("CollectiveError", "P2PError", "PipelineError"), results[VICTIM]
+
+
+STALL_TIMEOUT = 8.0  # a collective timeout long enough that a survivor's own diagnosis (2 GRACE at most) fits in 5 s
+
+
+@pytest.mark.parametrize("operation", ["full_tensor", "redistribute 2-D", "checkpoint save", "pipeline step",
+                                       "data parallel backward"])
+def test_a_stalled_rank_is_named_by_every_survivor_within_the_timeout_and_5_s(operation: str, tmp_path: Path) -> None:
+    """Rank 2 stalls (alive, never arriving) while rank 0 hosts the store. Every survivor, rank 0
+    included, raises within the collective timeout + 5 s, naming the operation and rank 2.
+    Regression (issue 45): the host waited, before raising, for every other rank to read its
+    diagnosis from the store, the stalled one included, which never does: it raised after the
+    timeout + 2 GRACE + 1 more (25 s against a 10 s timeout)."""
+    results = _run_case(operation, "skip", str(tmp_path), VICTIM, 0.0, STALL_TIMEOUT, main=_rank_main_hosting_the_store)
+    assert results[VICTIM][0] == "skipped", results[VICTIM]
+    _, operation_pattern = OPERATIONS[operation]
+    for r in (0, 1, 3):
+        kind, message, seconds = results[r]
+        assert kind in ("CollectiveError", "P2PError", "PipelineError"), (r, results[r])
+        assert re.search(operation_pattern, message, re.S), (r, message)
+        assert re.search(FAULTS["skip"], message, re.S), (r, message)
+        assert seconds <= STALL_TIMEOUT + 5.0, (r, seconds, message)
 
 
 def _rank_main_hosting_the_store(rank: int, port: int, conn: Any, args: tuple[Any, ...]) -> None:

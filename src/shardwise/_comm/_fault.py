@@ -24,8 +24,9 @@ The store must outlive the readers. When a rank hosts it (rank 0 under a plain
 `init_process_group`), that rank is often the first to fail and its program exits as soon
 as its error goes uncaught, taking the records with it. So each rank, when it has read what
 it needs, writes that it is done, and the host (only the host) waits before raising until
-every other rank is done or gone, at most a collective timeout + 2 GRACE + 1 s after its own
-failure (`_store_host`): a peer blocked when the host failed has failed and read by then.
+every other rank is done, gone or known to be stalled, at most a collective timeout + 2 GRACE
++ 1 s after its own failure (`_store_host`): a peer blocked when the host failed has failed
+and read by then; a stalled one never reads, so the host does not wait for it.
 
 Ranks that issue collectives of different sizes make gloo abort the process; with
 `SHARDWISE_CHECK=1`, every collective is preceded by an all_gather of a fixed-size
@@ -244,25 +245,63 @@ def diagnose(operation: Sequence[str], ranks: Sequence[int], number: Optional[in
         outside = _outside(store, set(ranks))
     error = kind(operation, rank, ranks=ranks, died=sorted(died), missing=missing, arrived=sorted(arrived),
                  elsewhere=elsewhere, cause=text, outside=outside, found=found)
-    _post_blame(store, rank, error)
-    _finish_reading(store, rank, started, error)
+    # stalled, not late: they did not arrive within a whole collective timeout (after a peer's
+    # death the others fail at once, and a rank still on its way is merely late)
+    stalled = error.missing if _timed_out(cause) else []
+    _post_blame(store, rank, error, stalled)
+    _finish_reading(store, rank, started, error, stalled)
     return error
 
 
-def _finish_reading(store: Any, rank: int, started: float, error: CollectiveError) -> None:
+def _timed_out(cause: BaseException) -> bool:
+    text = str(cause).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _finish_reading(store: Any, rank: int, started: float, error: CollectiveError,
+                    stalled: Sequence[int] = ()) -> None:
     """Say this rank is done with the store; if it hosts the store, wait for the others to be
-    done too (bounded; see `_store_host`), and say so in the error if some were not."""
+    done too (bounded; see `_store_host`) but for the `stalled` ones, and say so in the error
+    if some were not."""
     say_done(store, rank)
     until = started + collective_timeout().total_seconds() + 2 * GRACE + 1.0
-    pending = stay_for_readers(store, rank, until, lambda r: _gone(store, r))
+    pending = stay_for_readers(store, rank, until, lambda ranks: _still_reading(store, ranks, stalled))
     if pending:
         error.add_note(f"rank {rank} hosts the process group's store: before raising, it waited "
                        f"{time.monotonic() - started:.0f} s for {_ranks(pending)} to read their own diagnosis from it, "
                        f"in vain (stalled, busy, or not failing)")
 
 
-def _post_blame(store: Any, rank: int, error: CollectiveError) -> None:
-    """Tell the others what this rank found (for ranks whose own peers were waiting on this one)."""
+def _still_reading(store: Any, ranks: list[int], stalled: Sequence[int]) -> list[int]:
+    """Of `ranks` (not done reading yet), those the store's host still waits for: alive, and
+    failing too or not known to be stalled. Known stalled: found alive but not arriving within
+    a collective timeout by this rank's diagnosis (`stalled`) or by one another rank posted,
+    and no failure reported."""
+    known = set(stalled)
+    try:
+        world = dist.get_world_size()
+        for q in range(world):
+            key = f"{_PREFIX}/stalled/{q}"
+            if store.check([key]):
+                known.update(json.loads(store.get(key)))
+    except Exception:
+        pass
+    waiting = []
+    for r in ranks:
+        if _gone(store, r):
+            continue
+        try:
+            failing = bool(store.check([f"{_PREFIX}/report/{r}"]))
+        except Exception:
+            failing = False
+        if failing or r not in known:
+            waiting.append(r)
+    return waiting
+
+
+def _post_blame(store: Any, rank: int, error: CollectiveError, stalled: Sequence[int]) -> None:
+    """Tell the others what this rank found (for ranks whose own peers were waiting on this one),
+    and the store's host which ranks it found `stalled`."""
     found = []
     if error.died:
         found.append(f"{_ranks(error.died)} died")
@@ -274,6 +313,8 @@ def _post_blame(store: Any, rank: int, error: CollectiveError) -> None:
         found.append(error.outside)
     try:
         store.set(f"{_PREFIX}/blame/{rank}", "; ".join(found) or "nothing")
+        if stalled:
+            store.set(f"{_PREFIX}/stalled/{rank}", json.dumps(sorted(stalled)))
     except Exception:
         pass
 

@@ -5,11 +5,18 @@ When one of the ranks hosts that store (rank 0, under `init_process_group` with 
 MASTER_PORT or `tcp://`), it is often the first to fail, and a program exits as soon as its
 error goes uncaught: the store goes with it, and a peer that failed a moment later can no
 longer tell who died. So every rank says when it has finished reading (a `done` key), and the
-host, before it raises, waits until each other rank has said so or is gone. The wait is
-bounded: a peer blocked in a collective when the host failed fails within one collective
-timeout and then reads for at most `2 GRACE + 1` seconds, so the host waits no longer than
-that after its own failure, once per process. A store hosted elsewhere (torchrun's agent,
-the test harness) costs nothing; neither does success.
+host, before it raises, waits until each other rank has said so, is gone, or is known to be
+stalled. The wait is bounded: a peer blocked in a collective when the host failed fails
+within one collective timeout and then reads for at most `2 GRACE + 1` seconds, so the host
+waits no longer than that after its own failure, once per process. A store hosted elsewhere
+(torchrun's agent, the test harness) costs nothing; neither does success.
+
+A stalled rank (alive, never arriving) never reads, so waiting for it only delays the
+host's own error: by the whole bound, 15 s on top of a 10 s timeout. So the host leaves
+out a rank that a failing rank's diagnosis found stalled (its own, or one posted in the
+store) unless that rank reports a failure of its own; the caller says which (`waiting_for`).
+Stalled means absent for a whole collective timeout: after a peer's death the others fail
+at once, and a rank that has not arrived yet may only be late, so the host waits for it.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -40,16 +47,17 @@ def say_done(store: Any, rank: int) -> None:
         pass
 
 
-def stay_for_readers(store: Any, rank: int, until: float, gone: Callable[[int], Optional[bool]]) -> list[int]:
-    """If this process hosts `store`: wait until every other rank has said it is done or is
-    `gone`, at most until `until` (time.monotonic()); the ranks still reading then (none if
-    this process does not host the store, or has waited once before)."""
+def stay_for_readers(store: Any, rank: int, until: float, waiting_for: Callable[[list[int]], list[int]]) -> list[int]:
+    """If this process hosts `store`: wait until every other rank has said it is done, or
+    `waiting_for` (given the ranks not done yet) leaves it out (gone, or stalled), at most
+    until `until` (time.monotonic()); the ranks still reading then (none if this process does
+    not host the store, or has waited once before)."""
     if _Stay.done or not hosts_store(store):
         return []
     _Stay.done = True
     pending = [r for r in range(dist.get_world_size()) if r != rank]
     while pending:
-        pending = [r for r in pending if not (_said_done(store, r) or gone(r))]
+        pending = waiting_for([r for r in pending if not _said_done(store, r)])
         if not pending or time.monotonic() > until:
             break
         time.sleep(0.05)
