@@ -37,7 +37,7 @@ from ._stream import AbstractStream, as_device, new_stream
 from .skip._routes import SkipRoutes, inspect_skip_layout
 from .skip._verify import verify_skippables
 
-__all__ = ["Pipe", "as_given_by_torchgpipe"]
+__all__ = ["Pipe"]
 
 Device = Union[torch.device, str, int]
 MODES = ("always", "except_last", "never")
