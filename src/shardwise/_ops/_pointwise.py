@@ -9,8 +9,13 @@ broadcast), be replicated, or stay `Partial` where the op is linear in it:
 | add, sub (P first) | a P(max) / P(min) self and a Replicate other (a shift) |
 | maximum, fmax, clamp_min (minimum, fmin, clamp_max) | P(max) (P(min)) inputs, the others Replicate |
 | mul, div (P first for div) | exactly one input is P(sum)/P(avg), the others Replicate |
-| clone, detach, casts | always (one input); P(sum)/P(avg) not through a cast that changes the dtype |
+| clone, detach, casts | always (one input) |
 | neg | P(sum) or P(avg) (it would turn max into min) |
+
+A P(sum)/P(avg) is never kept into an output of another dtype than its own (a cast, a
+type-promoting op, an in-place op on a tensor of another dtype): each rank would round its
+term, and the sum of rounded terms is not the rounded sum. It is reduced first, so the one
+rounding happens on the whole value, as on one device.
 
 The propagator prices every combination and keeps the cheapest, so `S(0) + S(0)` costs
 nothing, `S(0) + S(1)` moves the smaller side, and `P(sum) + R` stays Partial with the
@@ -46,7 +51,6 @@ _IDENTITY_LIKE = {
     aten.clone.default, aten.detach.default, aten.alias.default, aten.contiguous.default,
     aten._to_copy.default, aten.positive.default, aten.zero_.default, aten.lift_fresh.default,
 }
-_CASTS = {aten._to_copy.default}
 # Binary ops that commute with one reduce op: a P(max) (P(min)) beside the same P or a replicated value
 _EXTREMUM = {
     aten.maximum.default: "max", aten.fmax.default: "max", aten.clamp_min.Tensor: "max",
@@ -67,9 +71,10 @@ def _partial_options(schema: OpSchema, out_dtype: torch.dtype, i: int) -> list[t
         p = spec.placements[i]
         if not isinstance(p, Partial):
             continue
-        if op in _CASTS and out_dtype != spec.dtype and p.reduce_op in ("sum", "avg"):
-            # one device casts the summed value: casting each term rounds it on its own,
-            # and the sum of rounded terms is not the rounded sum (max/min survive a cast)
+        if p.reduce_op in ("sum", "avg") and _rounds_terms(op, spec, dspecs, out_dtype, i):
+            # one device rounds the summed value to the output's dtype: rounding each term on its
+            # own (a cast, or an op computed or written in another dtype, such as `add_` into a
+            # float32 tensor) and summing those is not the rounded sum (max/min survive a cast)
             continue
         if op in _IDENTITY_LIKE and len(dspecs) == 1:
             found.append((p, [p]))
@@ -92,6 +97,14 @@ def _partial_options(schema: OpSchema, out_dtype: torch.dtype, i: int) -> list[t
         elif op in _MULTIPLICATIVE and not (op in _DIVISION and k != 0):
             found.append((p, [p if kk == k else Replicate() for kk, _ in dspecs]))
     return found
+
+
+def _rounds_terms(op: Any, spec: DTensorSpec, dspecs: list[tuple[int, DTensorSpec]], out_dtype: torch.dtype,
+                  i: int) -> bool:
+    """Whether keeping `spec`'s Partial on mesh dim i would cast terms to the output's dtype
+    one by one: that input's own (or, for an additive op, any Partial input's) dtype differs."""
+    kept = [q for _, q in dspecs if isinstance(q.placements[i], Partial)] if op in _ADDITIVE else [spec]
+    return any(q.dtype != out_dtype for q in kept)
 
 
 def _in_dim(out_dim: int, spec: DTensorSpec, out_shape: torch.Size) -> Optional[int]:

@@ -14,6 +14,9 @@ answer; whether those terms make a valid `Partial` depends on the op:
 | aminmax | (P(min), P(max)) | none |
 | prod, argmax/argmin, max.dim/min.dim, var/std, logsumexp, other norms | the reduced dims must be Replicate | none |
 
+A sum, mean or cumsum given another `dtype=` than its input's keeps no Partial input: each rank
+would round its term to that dtype, and the sum of rounded terms is not the rounded sum.
+
 Dims that are not reduced keep their shards. Besides following the input, every
 candidate may also move a shard onto any kept dim: when a reduced dim must be whole, an
 all_to_all onto a kept dim is often cheaper than gathering, and the propagator prices
@@ -46,7 +49,7 @@ import torch
 
 from .._layout import ShardOrder, local_shape_and_offset
 from .._placement import Partial, Placement, Replicate, Shard
-from .._spec import DTensorSpec
+from .._spec import DTensorSpec, TensorMeta
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
 from ._utils import expand_to_mesh, normalize_dim, normalize_dims
@@ -231,17 +234,24 @@ _ANY_ALL = {
 }
 
 
+def _same_dtype(schema: OpSchema, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """`kinds`, the Partials a linear op keeps, where its output has its input's dtype, else none."""
+    spec, out = schema.args_schema[0], schema.output_meta()
+    assert isinstance(spec, DTensorSpec) and isinstance(out, TensorMeta)
+    return kinds if out.dtype == spec.dtype else ()
+
+
 @register_op_strategy(list(_SUM_LIKE), positions_alike=True)
 def _sum_strategy(schema: OpSchema) -> OpStrategy:
     dims, keepdim = _dims_keepdim(schema, *_SUM_LIKE[schema.op])
     linear = ("sum", "avg") if schema.op in (aten.sum.default, aten.sum.dim_IntList) else ()
-    return reduction_strategy(schema, dims, keepdim, ("sum",), keep=linear)
+    return reduction_strategy(schema, dims, keepdim, ("sum",), keep=_same_dtype(schema, linear))
 
 
 @register_op_strategy(list(_MEAN), positions_alike=True)
 def _mean_strategy(schema: OpSchema) -> OpStrategy:
     dims, keepdim = _dims_keepdim(schema, *_MEAN[schema.op])
-    return reduction_strategy(schema, dims, keepdim, ("avg",), keep=("sum", "avg"), even=True)
+    return reduction_strategy(schema, dims, keepdim, ("avg",), keep=_same_dtype(schema, ("sum", "avg")), even=True)
 
 
 @register_op_strategy(list(_MAX_LIKE) + list(_MIN_LIKE))
@@ -311,7 +321,7 @@ def _scan_strategy(schema: OpSchema) -> OpStrategy:
     spec = schema.args_schema[0]
     assert isinstance(spec, DTensorSpec)
     dim = normalize_dim(schema.arg(1, "dim"), spec.ndim)
-    linear = schema.op is aten.cumsum.default
+    linear = schema.op is aten.cumsum.default and bool(_same_dtype(schema, ("sum",)))
 
     def options(i: int) -> list[Option]:
         opts: list[Option] = [(Shard(d), Shard(d)) for d in range(spec.ndim) if d != dim]

@@ -33,6 +33,7 @@ from .._tensor import DTensor
 from .._tensor._dispatch import check_plain_afresh
 from .._tensor._grad_reduce import watch_plain_leaf
 from ._distribute import Ties, distribute_module, place_parameter
+from ._experts import experts_split_by_layout, run_own_experts
 from ._grad_check import PlainGradientCheck
 from ._pretrained import adopt_save_pretrained
 from ._plan import PlanEntry, ResolvedPlan, Sharder, ShardingPlan, ShardingPlanner, resolve, to_layout
@@ -69,6 +70,8 @@ def shard_module(
     pattern matches, every parameter and buffer still plain is replicated (as
     `distribute_module` does; `replicate_rest=False` leaves them plain), and `output_plan` /
     `return_local_tensor` hooks are installed. A tied parameter is distributed once and stays one parameter.
+    An experts module whose stacked expert parameters the plan splits by whole experts
+    (`Shard(0)` along one mesh dim) runs as under `ExpertParallel`.
     `src_data_rank` is the rank whose values are distributed (None: each rank's own).
     """
     mesh = _mesh(device_mesh, "shard_module")
@@ -87,6 +90,11 @@ def shard_module(
             module.get_submodule(path), attr, placements, mesh, shard_order=order, src_data_rank=src_data_rank, where=name
         )
         ties.retie()
+    styled = {path for path, _ in resolved.sharders}
+    laid_out = {name: placements for name, placements, _ in resolved.params}
+    for path, mesh_dim in experts_split_by_layout(module, laid_out):
+        if path not in styled:  # whole experts per rank: run them as ExpertParallel does
+            run_own_experts(module.get_submodule(path), mesh, mesh_dim)
     for path, sharder in resolved.sharders:
         sub = module.get_submodule(path)
         new = sharder.shard(sub, mesh)
