@@ -4,12 +4,16 @@ Process groups are created collectively (every process, in the same order), so t
 kept per slice of ranks and shared by every mesh that needs the same slice. One more group
 spans the world for moves between meshes (`crossing_group`): their point-to-point messages
 differ in number from rank to rank by nature, so they stay off the groups whose collectives
-every rank issues alike (and `shardwise.testing` leaves it out of its in-step check).
+every rank issues alike (and `shardwise.testing` leaves it out of its in-step check). A
+job that runs beside the program (an `async_save` agreeing from a thread) gets a
+world-spanning group of its own (`side_group`), so its collectives never interleave with
+the program's on a shared group.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -17,7 +21,7 @@ import torch.distributed as dist
 
 from ._compat import new_group_in_order
 
-__all__ = ["GROUPS", "POINT_TO_POINT", "collective_timeout", "crossing_group", "group_for"]
+__all__ = ["GROUPS", "POINT_TO_POINT", "collective_timeout", "crossing_group", "group_for", "new_groups", "side_group"]
 
 GROUPS: dict[tuple[int, Any], Any] = {}  # (id of the world's group, ranks or a role) -> group
 POINT_TO_POINT: set[str] = set()  # names of the groups that carry point-to-point messages only
@@ -55,4 +59,32 @@ def crossing_group(backend: Optional[str] = None) -> Any:
         group = GROUPS[key] = dist.new_group(list(range(dist.get_world_size())), timeout=collective_timeout(),
                                              backend=backend)
         POINT_TO_POINT.add(group.group_name)
+    return group
+
+
+def new_groups(rows: Sequence[Sequence[int]], backend: Optional[str], *, point_to_point: bool = False) -> Any:
+    """A new group per row of ranks, made by every process in the same order; this rank's
+    (None when it is in no row). Not cached, unlike `group_for`: the caller owns the groups
+    and destroys them (a pipeline's messages keep to groups of their own, which its `close()`
+    releases). With `point_to_point`, this rank's group carries messages whose counts differ
+    from rank to rank by nature (see `POINT_TO_POINT`)."""
+    mine = None
+    for row in rows:
+        group = dist.new_group(list(row), timeout=collective_timeout(), backend=backend)
+        if dist.get_rank() in row:
+            mine = group
+    if point_to_point and mine is not None:
+        POINT_TO_POINT.add(mine.group_name)
+    return mine
+
+
+def side_group(role: str, backend: Optional[str] = None) -> Any:
+    """The world-spanning group of `role` alone (e.g. "checkpoint async_save"), for collectives
+    issued beside the program's, from another thread; made at the first call, which every
+    process makes, in the same order as its other groups."""
+    key = (id(dist.group.WORLD), ("side", role))
+    group = GROUPS.get(key)
+    if group is None:
+        group = GROUPS[key] = dist.new_group(list(range(dist.get_world_size())), timeout=collective_timeout(),
+                                             backend=backend)
     return group

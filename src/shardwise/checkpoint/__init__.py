@@ -12,6 +12,9 @@ storage_writer=HuggingFaceStorageWriter(path))` does so for any state dict of te
 `FileSystemReader` / `FileSystemWriter` read and write torch DCP's own format, and
 `shardwise.checkpoint.state_dict` is `torch.distributed.checkpoint.state_dict` for models of
 shardwise DTensors (full state dicts gathered, and loaded back into each tensor's layout).
+Every format is saved by one transaction (`_transaction`), so `async_save` takes a
+`storage_writer` too, and every format keeps the last complete checkpoint until the new one
+is whole.
 
 Without a process group it is one process saving and loading whole tensors:
 
@@ -29,12 +32,13 @@ ValueError: cannot load the checkpoint '...' into this state dict; nothing was l
   - 'w': the checkpoint holds shape (2, 3), the state dict (3, 2): global shapes must match (layouts may differ)
 """
 
+from ._async import SaveFuture
 from ._dcp_read import FileSystemReader
 from ._dcp_write import FileSystemWriter
 from ._hf_pretrained import save_pretrained
 from ._hf_read import HuggingFaceStorageReader, load_pretrained
 from ._hf_write import HuggingFaceStorageWriter
 from ._load import load
-from ._save import SaveFuture, async_save, save
+from ._transaction import async_save, save
 
 __all__ = ["load", "save", "async_save", "save_pretrained", "HuggingFaceStorageWriter", "HuggingFaceStorageReader", "load_pretrained", "FileSystemReader", "FileSystemWriter"]  # torch.distributed.checkpoint's names (SaveFuture is what async_save returns)

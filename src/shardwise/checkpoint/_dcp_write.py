@@ -12,50 +12,37 @@ tensor or a dict somewhere inside, else it is one pickled value, as is every tup
 anything else is a leaf. A DTensor leaf becomes the chunks of its global boxes, a plain
 tensor one chunk, any other leaf one pickled value.
 
-Who writes what is `save`'s table: each rank the pieces of its DTensors it is responsible
+Who writes what is `_pieces`' table: each rank the pieces of its DTensors it is responsible
 for (one replica of each, Partial mesh dims reduced first), rank 0 plain tensors and values.
-Every rank writes one data file, `__<rank>_<generation>.distcp` (a name never in use in the
-directory), and tells rank 0 its records (key, box, byte range) through an all_gather of
-ints; rank 0 checks that the chunks tile every tensor and writes `.metadata`.
-
-Crash consistency. The data files of a save have names of their own, each written under a
-temporary name, synced and renamed in; the ranks agree after every rank's file is in place,
-and only then does rank 0 replace `.metadata` by atomic rename. A failure on any rank before
-that leaves `.metadata` naming the previous save's files, untouched, so a reader loads the
-previous checkpoint (every rank raises; rank 0 removes this save's files). After the switch
-rank 0 removes the data files the new `.metadata` does not name.
+Every rank that has pieces writes one data file, `__<rank>_<generation>.distcp`, and answers
+with its records (key, box, byte range); rank 0 checks that the chunks tile every tensor and
+writes `.metadata`, by atomic rename: that is the switch. The save transaction
+(`_transaction`) does the rest, as for every format: the agreements, the generation (a name
+never in use in the directory), a failure before the switch leaving the previous `.metadata`
+and its files untouched (rank 0 removes this save's files), `async_save`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import pickle
 import re
-import secrets
-from collections.abc import Iterator, Mapping
-from pathlib import Path as FilePath
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 
-from .._comm import all_gather_ints
-from .._redistribute._exchange import Box
-from .._tensor import DTensor
 from ._dcp_read import METADATA
 from ._files import checkpoint_dir, write_atomically
 from ._metadata import Entry, Piece, dtype_name, tiling_problem
 from ._paths import Path, is_stateful
-from ._save import (_agree, _check_values, _claimed_below, _fingerprint, _my_boxes, _narrowed, _rank_and_world,
-                    _reduced, _standalone, _sync_directory)
-from ._writer import StorageWriter
+from ._pieces import standalone as _standalone
+from ._switch import sync_directory
+from ._writer import Box, Save, Share, StorageWriter, check_loadable
 
 __all__ = ["FileSystemWriter", "dcp_items"]
 
-_DATA = re.compile(r"__\d+_[0-9a-f]+\.distcp")
-_UNCHANGED = f"no new {METADATA} was written, so the directory still loads the checkpoint it held before (if any)"
+_DATA = re.compile(r"__\d+_(?P<generation>[0-9a-f]+)\.distcp")
 Record = tuple[str, Optional[Box], int, int]  # (key, chunk box or None for a pickled value, byte offset, length)
 
 
@@ -80,11 +67,48 @@ class FileSystemWriter(StorageWriter):
     ([3.0, 4.0, 5.0], {'step': 4})
     """
 
+    switching = f"writing {METADATA}"
+    unchanged = f"no new {METADATA} was written, so the directory still loads the checkpoint it held before (if any)"
+
     def __init__(self, path: Union[str, os.PathLike[str]]) -> None:
         self.path = checkpoint_dir(path)
 
-    def write(self, state_dict: Mapping[str, Any], checkpoint_id: Optional[FilePath] = None) -> None:
-        _Save(checkpoint_id or self.path).run(state_dict)
+    def leaves(self, tree: dict[str, Any]) -> list[tuple[str, Path, Any]]:
+        named = dcp_items(tree)
+        check_loadable(named)
+        return named
+
+    def write(self, save: Save, shares: Sequence[Share]) -> list[Record]:
+        """This rank's data file (none when it writes nothing), each chunk one `torch.save`, back to back; the records."""
+        records: list[Record] = []
+
+        def write(f: IO[bytes]) -> None:
+            for share in shares:
+                leaf = save.leaves[share.leaf]
+                start = f.tell()
+                torch.save(share.value if leaf.shape is None else _standalone(share.value), f)
+                records.append((leaf.name, None if leaf.shape is None else share.box, start, f.tell() - start))
+
+        if shares:
+            write_atomically(save.directory / _data_file(save.rank, save.generation), write)
+        return records
+
+    def switch(self, save: Save, records: list[Any]) -> None:
+        _write_metadata(save, [[(key, None if box is None else tuple((s, n) for s, n in box), start, length)
+                                for key, box, start, length in rows or ()] for rows in records])
+
+    def switched(self, save: Save) -> bool:
+        """Whether `.metadata` names this save's files (it was switched in)."""
+        try:
+            return f"_{save.generation}.distcp" in (save.directory / METADATA).read_bytes().decode("latin-1")
+        except OSError:
+            return False
+
+    def generation_of(self, name: str) -> Optional[str]:
+        found = _DATA.fullmatch(name)
+        if found is not None:
+            return found["generation"]
+        return "" if name.startswith(".") and name.endswith(".tmp") else None
 
 
 def dcp_items(state_dict: Mapping[str, Any]) -> list[tuple[str, Path, Any]]:
@@ -122,190 +146,43 @@ def _opened(value: list[Any]) -> bool:
     return any(isinstance(v, (Mapping, torch.Tensor)) or (isinstance(v, list) and _opened(v)) for v in value)
 
 
-class _Save:
-    def __init__(self, directory: FilePath) -> None:
-        self.directory = directory
-        self.rank, self.world = _rank_and_world()
-
-    def agree(self, step: str, error: Optional[Exception], count: int = 0, outcome: Any = _UNCHANGED) -> list[int]:
-        return _agree(step, error, self.directory, self.world, count, outcome=outcome)
-
-    def run(self, state_dict: Mapping[str, Any]) -> None:
-        directory, rank, world = self.directory, self.rank, self.world
-        error: Optional[Exception] = None
-        items: list[tuple[str, Path, Any]] = []
-        claims: list[int] = []
-        digest = 0
-        try:
-            items = dcp_items(state_dict)
-            _check_values([(path, leaf) for _, path, leaf in items])
-            digest = _digest([(key, _kind(leaf)) for key, _, leaf in items])
-            claims = [_fingerprint((key,), box) for key, _, leaf in items
-                      if isinstance(leaf, DTensor) and leaf.device_mesh.size() < world for box, _ in _my_boxes(leaf)]
-            if directory.exists() and not directory.is_dir():
-                raise ValueError(f"{str(directory)!r} is a file: pass a directory (it is created if missing)")
-            directory.mkdir(parents=True, exist_ok=True)
-        except Exception as exc:
-            error = exc
-        digests = self.agree("checking the state dict", error, digest)
-        if len(set(digests)) > 1:
-            raise ValueError(f"save to {str(directory)!r}: the ranks' state dicts differ in keys, shapes or dtypes "
-                             f"(ranks {[r for r, d in enumerate(digests) if d != digests[0]]} differ from rank 0): "
-                             f"pass every rank the same state dict. {_UNCHANGED}")
-        token = _fresh_generation(directory) if rank == 0 else 0
-        generation = f"{self.agree('drawing a generation', None, token)[0]:08x}"
-        taken = _claimed_below(rank, world, claims, self.agree("claiming pieces", None, len(claims)))
-        with torch.no_grad():
-            items = [(key, path, _reduced(leaf) if isinstance(leaf, DTensor) else leaf) for key, path, leaf in items]
-        records: list[Record] = []
-        try:
-            try:
-                records = _write_data(directory / _data_file(rank, generation), items, rank, taken)
-            except Exception as exc:
-                error = exc
-            packed = _pack(records)
-            widths = self.agree("writing the data files", error, len(packed))
-            rows = [packed] if world == 1 else _gather(packed, max(widths), world)
-            if rank == 0:
-                try:
-                    _write_metadata(directory, generation, items, rows)
-                except Exception as exc:
-                    error = exc
-            self.agree(f"writing {METADATA}", error, outcome=lambda: _outcome(directory, generation))
-        except BaseException:
-            if rank == 0 and not _names(directory, generation):
-                _remove(directory, lambda name: f"_{generation}.distcp" in name)
-            raise
-        if rank == 0:
-            _remove(directory, lambda name: (bool(_DATA.fullmatch(name)) and not name.endswith(f"_{generation}.distcp"))
-                    or (name.startswith(".") and name.endswith(".tmp")))
-
-
-def _kind(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return [list(leaf.shape), str(leaf.dtype)]
-    return None
-
-
-def _digest(value: Any) -> int:
-    return int.from_bytes(hashlib.blake2b(json.dumps(value).encode(), digest_size=8).digest(), "big") >> 1
-
-
 def _data_file(rank: int, generation: str) -> str:
     return f"__{rank}_{generation}.distcp"
 
 
-def _fresh_generation(directory: FilePath) -> int:
-    """A random 31-bit generation no data file in `directory` carries yet."""
-    present = set(os.listdir(directory)) if directory.is_dir() else set()
-    while True:
-        token = secrets.randbits(31)
-        if not any(name.endswith(f"_{token:08x}.distcp") for name in present):
-            return token
-
-
-def _my_chunks(key: str, leaf: Any, rank: int, taken: set[int]) -> Iterator[tuple[Optional[Box], Any]]:
-    """(global box, values) of each chunk of `leaf` this rank writes; (None, value) for a pickled value."""
-    if isinstance(leaf, DTensor):
-        for box, at in _my_boxes(leaf):
-            if not (taken and _fingerprint((key,), box) in taken):
-                yield box, _standalone(_narrowed(leaf.to_local(), at))
-    elif rank == 0:
-        yield (tuple((0, n) for n in leaf.shape), _standalone(leaf)) if isinstance(leaf, torch.Tensor) else (None, leaf)
-
-
-def _write_data(target: FilePath, items: list[tuple[str, Path, Any]], rank: int, taken: set[int]) -> list[Record]:
-    """This rank's data file (none when it writes nothing), each chunk one torch.save; its records."""
-    records: list[Record] = []
-
-    def write(f: IO[bytes]) -> None:
-        for key, _, leaf in items:
-            for box, value in _my_chunks(key, leaf, rank, taken):
-                start = f.tell()
-                torch.save(value, f)
-                records.append((key, box, start, f.tell() - start))
-
-    if any(True for key, _, leaf in items for _ in _my_chunks(key, leaf, rank, taken)):
-        write_atomically(target, write)
-    return records
-
-
-def _pack(records: list[Record]) -> list[int]:
-    """`records` as non-negative ints for an all_gather: the JSON's length, then 7 bytes per int."""
-    data = json.dumps(records).encode()
-    padded = data.ljust(-(-len(data) // 7) * 7, b" ")
-    return [len(data)] + [int.from_bytes(padded[i:i + 7], "big") for i in range(0, len(padded), 7)]
-
-
-def _unpack(row: list[int]) -> list[Record]:
-    n = row[0]
-    data = b"".join(v.to_bytes(7, "big") for v in row[1:1 + -(-n // 7)])[:n]
-    return [(key, None if box is None else tuple((s, k) for s, k in box), start, length)
-            for key, box, start, length in json.loads(data)]
-
-
-def _gather(packed: list[int], width: int, world: int) -> list[list[int]]:
-    """Every rank's packed records (padded to `width`), by rank."""
-    return all_gather_ints(packed + [0] * (width - len(packed)), dist.group.WORLD, world)
-
-
-def _write_metadata(directory: FilePath, generation: str, items: list[tuple[str, Path, Any]],
-                    rows: list[list[int]]) -> None:
+def _write_metadata(save: Save, rows: list[list[Record]]) -> None:
     """Rank 0: every rank's records into DCP `Metadata`, checked to tile each tensor, renamed in as `.metadata`."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                         MetadataIndex, StorageMeta, TensorProperties,
                                                         TensorStorageMetadata)
 
-    pieces: dict[str, list[Piece]] = {key: [] for key, _, _ in items}
+    pieces: dict[str, list[Piece]] = {leaf.name: [] for leaf in save.leaves}
     storage: dict[Any, Any] = {}
-    for rank, row in enumerate(rows):
-        for key, box, start, length in _unpack(row):
-            pieces[key].append(Piece(_data_file(rank, generation), len(pieces[key]), box or ()))
+    for rank, records in enumerate(rows):
+        for key, box, start, length in records:
+            pieces[key].append(Piece(_data_file(rank, save.generation), len(pieces[key]), box or ()))
             offset = None if box is None else torch.Size([s for s, _ in box])
             storage[MetadataIndex(key, offset, len(pieces[key]) - 1 if box is not None else None)] = \
-                _StorageInfo(_data_file(rank, generation), start, length)
+                _StorageInfo(_data_file(rank, save.generation), start, length)
     state: dict[str, Any] = {}
     problems: list[str] = []
-    for key, path, leaf in items:
-        if not isinstance(leaf, torch.Tensor):
-            state[key] = BytesStorageMetadata()
+    for leaf in save.leaves:
+        if leaf.shape is None or leaf.dtype is None:
+            state[leaf.name] = BytesStorageMetadata()
             continue
-        entry = Entry(path, "tensor", tuple(leaf.shape), dtype_name(leaf.dtype), None, tuple(pieces[key]))
+        entry = Entry(leaf.path, "tensor", leaf.shape, dtype_name(leaf.dtype), None, tuple(pieces[leaf.name]))
         problem = tiling_problem(entry)
         if problem is not None:
-            problems.append(f"'{key}': {problem} (the ranks disagree on its layout: give it one layout on every rank)")
+            problems.append(f"'{leaf.name}': {problem} (the ranks disagree on its layout: give it one layout on every "
+                            f"rank)")
         chunks = [ChunkStorageMetadata(torch.Size([s for s, _ in p.box]), torch.Size([n for _, n in p.box]))
-                  for p in pieces[key]]
-        state[key] = TensorStorageMetadata(TensorProperties(dtype=leaf.dtype), torch.Size(leaf.shape), chunks)
+                  for p in pieces[leaf.name]]
+        state[leaf.name] = TensorStorageMetadata(TensorProperties(dtype=leaf.dtype), torch.Size(leaf.shape), chunks)
     if problems:
         raise ValueError("the ranks' chunks do not describe one set of global tensors:\n  - " + "\n  - ".join(problems))
-    metadata = Metadata(state, planner_data={key: path for key, path, _ in items}, storage_data=storage,
-                        storage_meta=StorageMeta(checkpoint_id=str(directory), save_id=generation),
+    metadata = Metadata(state, planner_data={leaf.name: leaf.path for leaf in save.leaves}, storage_data=storage,
+                        storage_meta=StorageMeta(checkpoint_id=str(save.directory), save_id=save.generation),
                         version=CURRENT_DCP_VERSION)
-    write_atomically(directory / METADATA, lambda f: pickle.dump(metadata, f))  # the atomic switch
-    _sync_directory(directory)
-
-
-def _names(directory: FilePath, generation: str) -> bool:
-    """Whether `.metadata` names this save's files (it was switched in)."""
-    try:
-        return f"_{generation}.distcp" in (directory / METADATA).read_bytes().decode("latin-1")
-    except OSError:
-        return False
-
-
-def _outcome(directory: FilePath, generation: str) -> str:
-    if _names(directory, generation):
-        return (f"the checkpoint itself is complete: {METADATA} already names this save's files (generation "
-                f"{generation}); only the removal of older files was not run")
-    return _UNCHANGED
-
-
-def _remove(directory: FilePath, chosen: Any) -> None:
-    for name in os.listdir(directory):
-        if chosen(name) and (directory / name).is_file():
-            try:
-                (directory / name).unlink()
-            except OSError:
-                pass  # gone already: nothing to do
+    write_atomically(save.directory / METADATA, lambda f: pickle.dump(metadata, f))  # the atomic switch
+    sync_directory(save.directory)

@@ -21,30 +21,21 @@ the header is padded with spaces to a multiple of 8 bytes.
 {'dtype': 'BF16', 'shape': [5], 'data_offsets': [16, 26]}
 >>> parse_size("500MB"), parse_size("2KiB"), parse_size(7)
 (500000000, 2048, 7)
-
-A box of a tensor (its (start, length) per tensor dim) is a set of runs of contiguous
-elements in the file: one run for rows of a `Shard(0)` piece, one per row otherwise.
-
->>> list(runs((4, 6), ((2, 2), (0, 6)))), list(runs((4, 6), ((0, 2), (3, 3))))
-([(12, 12)], [(3, 3), (9, 3)])
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
 import torch
 
-from .._redistribute._exchange import Box
-
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "INDEX", "SINGLE", "FileLayout", "Slot", "index_json", "parse_size",
-           "plan_files", "runs", "safetensors_dtype"]
+           "plan_files", "safetensors_dtype"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -153,19 +144,3 @@ def index_json(files: Sequence[FileLayout]) -> bytes:
     body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     return (json.dumps(body, indent=2) + "\n").encode()
 
-
-def runs(shape: Sequence[int], box: Box) -> Iterator[tuple[int, int]]:
-    """(element offset from the tensor's first element, length) of each run of contiguous
-    elements that `box` of a row-major tensor of `shape` covers, in row-major order (the order
-    of the elements of the box itself)."""
-    k = len(shape)  # dims k.. are covered whole by the box: one run spans them
-    while k > 0 and tuple(box[k - 1]) == (0, shape[k - 1]):
-        k -= 1
-    if k == 0:
-        yield 0, math.prod(shape)
-        return
-    inner = math.prod(shape[k:])
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    start_k, length_k = box[k - 1]
-    for index in itertools.product(*(range(s, s + n) for s, n in box[:k - 1])):
-        yield sum(i * strides[d] for d, i in enumerate(index)) + start_k * strides[k - 1], length_k * inner

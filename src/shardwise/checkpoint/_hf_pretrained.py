@@ -20,6 +20,7 @@ from torch import nn
 
 from ._hf_layout import DEFAULT_MAX_SHARD_SIZE
 from ._hf_write import HuggingFaceStorageWriter
+from ._transaction import save
 
 __all__ = ["save_pretrained"]
 
@@ -42,7 +43,7 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike[str
                         f"max_shard_size= and state_dict=, not {', '.join(f'{k}={kwargs[k]!r}' for k in bad)}")
     state = dict(model.state_dict(keep_vars=True) if state_dict is None else state_dict)
     writer = HuggingFaceStorageWriter(save_directory, max_shard_size, extra_files=_config_files(model, config))
-    writer.write(_untied(model, state))
+    save(_untied(model, state), storage_writer=writer)
 
 
 def _untied(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:

@@ -31,10 +31,10 @@ from .._placement import Partial
 from .._redistribute._exchange import Box, overlap, piece_boxes
 from .._tensor import DTensor
 from ._agree import agree
+from ._async import finish_pending
 from ._files import checkpoint_dir
 from ._metadata import Entry, Table
 from ._paths import Path, is_stateful, leaves, put_back, show
-from ._save import finish_pending
 from ._storage import NativeReader, StorageReader
 
 __all__ = ["load"]
