@@ -57,13 +57,15 @@ def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules of this package it imports (see the module docstring)."""
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of this package it imports (see the module docstring); with
+    `type_checking`, the imports under `if TYPE_CHECKING:` too."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets: set[str] = set()
-        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree) if type_checking else _runtime_nodes(tree):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -189,3 +191,28 @@ def test_no_module_under_tensor_decides_an_op_layout() -> None:
     assert not found, "layout decided under _tensor (make it part of _ops.make_plan):\n" + "\n".join(
         f"  {name}: {', '.join(lines)}" for name, lines in sorted(found.items()))
     assert "make_plan" in modules[f"{ROOT}._ops._plan"].read_text()
+
+
+_REGISTRY = f"{ROOT}._tensor._end_of_backward"
+
+
+def queue_callback_calls(path: Path) -> list[int]:
+    """Lines where a module reaches the autograd engine's end-of-backward callbacks (`queue_callback`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return sorted({node.lineno for node in ast.walk(tree)
+                   if (isinstance(node, ast.Attribute) and node.attr == "queue_callback")
+                   or (isinstance(node, ast.Name) and node.id == "queue_callback")})
+
+
+def test_gradients_reach_the_end_of_backward_only_through_the_registry(tmp_path: Path) -> None:
+    """Issue 46: five mechanisms queued their own engine callback at the end of backward, each in
+    the order its first gradient arrived; now one registry queues one per pass and orders the
+    steps (`_tensor/_end_of_backward.py`). Everything else arms a step there."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\ntorch.autograd.Variable._execution_engine.queue_callback(f)\n")
+    assert queue_callback_calls(probe) == [2]  # the check can fail
+    modules = _modules()
+    found = {name: lines for name, path in modules.items() if name != _REGISTRY
+             if (lines := queue_callback_calls(path))}
+    assert not found, f"queue_callback outside {_REGISTRY} (arm a Step there instead): {found}"
+    assert queue_callback_calls(modules[_REGISTRY])  # and the registry does queue one

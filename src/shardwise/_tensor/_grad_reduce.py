@@ -23,6 +23,11 @@ vocab-split embedding gets `Shard(0)`). Its layout is "whole on every rank", so 
 is reduced or gathered here too, into a plain whole tensor: the optimizer's in-place updates
 of the leaf and of its plain state never meet a DTensor. Dispatch hooks such a leaf the first
 time it meets a DTensor (`watch_plain_leaf`).
+
+The reduction is the `layout` phase of the end-of-backward registry (`_end_of_backward`): it
+runs after units finish and before sums over replicas (data parallel, context parallel) and
+checks read the gradients. It is every leaf's default reducer at level `layout`, so a leaf
+needs no registration; `layout_reducer` describes it for the public query.
 """
 
 from __future__ import annotations
@@ -36,16 +41,27 @@ import torch
 from .. import _comm
 from .._placement import Replicate, _StridedShard
 from ._async import resolve
+from ._end_of_backward import GradientReducer, Step, arm
 from ._redistribute import move_between, redistribute_local
 from ._wrap import DTensorBase, wrap
 
-__all__ = ["deferred", "note_accumulated", "reduce_noted", "watch_plain_leaf"]
+__all__ = ["deferred", "layout_reducer", "note_accumulated", "reduce_noted", "unwatch_leaf", "watch_plain_leaf"]
 
 _NOTED: list[Any] = []  # leaves (DTensors) whose gradient this backward pass still has to reduce
-# The backward pass (autograd graph task) whose end already has `reduce_noted` queued. A pass
-# that raises never runs its callback; the next pass queues its own and reduces both passes' leaves.
-_QUEUED_FOR: list[Optional[int]] = [None]
 _DEFERRED: dict[int, int] = {}  # id(leaf) -> how many `deferred` blocks hold it
+
+
+class _Layout(Step):
+    """The end-of-backward step of every noted leaf (the registry's `layout` phase). A pass that
+    raises never reaches its end; the next pass arms it again and reduces both passes' leaves."""
+
+    phase = "layout"
+
+    def finish(self) -> None:
+        reduce_noted()
+
+
+_LAYOUT = _Layout()
 
 
 @contextlib.contextmanager
@@ -72,6 +88,33 @@ def watch_plain_leaf(leaf: torch.Tensor) -> None:
         leaf.register_post_accumulate_grad_hook(note_accumulated)  # type: ignore[no-untyped-call]
 
 
+def unwatch_leaf(leaf: torch.Tensor) -> None:
+    """Take `leaf` out of this reduction: its registered reducer sets its gradient in its layout
+    itself (data parallel's). Autograd still runs the leaf's accumulate-grad hooks when its
+    gradient is handed elsewhere, and would note the reducer's unreduced term."""
+    hooks = leaf._post_accumulate_grad_hooks
+    for key, hook in list((hooks or {}).items()):
+        if hook is note_accumulated:
+            del hooks[key]
+
+
+def layout_reducer(leaf: torch.Tensor) -> Optional[GradientReducer]:
+    """This reduction as `leaf`'s reducer at level `layout`: for a DTensor leaf, or a plain leaf
+    hooked beside DTensors (it met one, or a plan left it plain); None for any other plain leaf."""
+    hooks = leaf._post_accumulate_grad_hooks
+    if not hooks or note_accumulated not in hooks.values():
+        return None
+    if not isinstance(leaf, DTensorBase):
+        return GradientReducer("its layout (a plain leaf beside DTensors)", "layout",
+                               "a DTensor gradient made plain and whole", (), "the mesh of the DTensors it met",
+                               "its first op with a DTensor")
+    mesh = leaf._spec.mesh
+    grid = getattr(mesh, "mesh", None)  # (a concrete mesh's grid of ranks)
+    ranks = tuple(int(r) for r in grid.flatten().tolist()) if isinstance(grid, torch.Tensor) else ()
+    return GradientReducer("its layout (a DTensor leaf)", "layout", "Partial terms summed into its placements",
+                           ranks, f"its mesh {tuple(mesh.shape)}", "requires_grad_")
+
+
 def note_accumulated(leaf: torch.Tensor) -> None:
     """Post-accumulate-grad hook: queue `leaf` for the reduction at the end of this backward."""
     grad = leaf.grad
@@ -81,10 +124,7 @@ def note_accumulated(leaf: torch.Tensor) -> None:
         have, want = grad._spec, leaf._spec
         if not _to_relay(have, want) or have.mesh != want.mesh:
             return
-    task = torch._C._current_graph_task_id()
-    if _QUEUED_FOR[0] != task:  # first leaf of this backward pass (or an earlier pass failed midway)
-        torch.autograd.Variable._execution_engine.queue_callback(reduce_noted)
-        _QUEUED_FOR[0] = task
+    arm(_LAYOUT)
     _NOTED.append(leaf)
 
 
@@ -112,9 +152,8 @@ def _set_grad(leaf: torch.Tensor, piece: torch.Tensor, target: Any) -> None:
 
 
 def reduce_noted() -> None:
-    """Move every gradient noted in this backward pass into its leaf's layout (the end-of-backward
-    callback; a check that reads the gradients at the end of backward calls it first)."""
-    _QUEUED_FOR[0] = None
+    """Move every gradient noted in this backward pass into its leaf's layout (at the end of the
+    pass, before the steps of later phases read them)."""
     leaves = list(_NOTED)
     _NOTED.clear()
     buckets: dict[tuple[Any, ...], list[tuple[Any, Any, torch.Tensor]]] = {}

@@ -14,14 +14,18 @@
   `layout_table(model)`: every parameter's layout and map.
 - `explain_redistribute(...)` / `plan_for(...)`: a redistribution's plan, purely.
 - `cache_info()`: the entries each cache of layouts and plans holds (flat over a long run).
+- `gradient_reducers(param)` (or a module): who reduces each gradient at the end of backward
+  (a unit, data parallel, context parallel, a style, the DTensor layout), over which ranks.
 """
 
 from .._comm import CommRecord, comm_log
 from .._explain import explain_redistribute, plan_for
 from .._explicit import ImplicitRedistributionError, explicit
+from .._tensor import GradientReducer
 from ._caches import cache_info
 from ._counter import CommCounter
 from ._dry_run import dry_run
+from ._reducers import gradient_reducers
 from ._report import DryCollective, DryRunReport, MemoryReport, RankReport
 from ._visualize import layout_table, visualize_sharding
 
@@ -30,6 +34,7 @@ __all__ = [
     "CommRecord",
     "DryCollective",
     "DryRunReport",
+    "GradientReducer",
     "ImplicitRedistributionError",
     "MemoryReport",
     "RankReport",
@@ -38,6 +43,7 @@ __all__ = [
     "dry_run",
     "explain_redistribute",
     "explicit",
+    "gradient_reducers",
     "layout_table",
     "plan_for",
     "visualize_sharding",

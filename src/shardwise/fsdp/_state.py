@@ -10,7 +10,7 @@ per model one `Root`: the first state whose forward runs becomes the root at tha
 | post-forward | take the views away, reshard (unless told not to; never during a recomputation inside backward), hook the outputs for pre-backward, cast outputs |
 | pre-backward (the first gradient reaching an output) | gather the unit again if it was resharded, start gathering the previous unit |
 | post-backward (the unit's `_UnitGrad` node) | finish the previous unit's reduction, start this one's, reshard |
-| end of backward (engine callback, queued once) | finish every reduction, reshard what is left, reset per-step state |
+| end of backward (the end-of-backward registry's `units` phase, armed once per pass) | finish every reduction, reshard what is left, reset per-step state |
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .._tensor import Step, arm, disarm
 from ._param import UnitParam
 from ._policy import MixedPrecisionPolicy
 from ._unit import Reduction, Unit
@@ -35,8 +36,11 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class Root:
-    """The units of one model: their forward order (for prefetch), pending reductions, the end of backward."""
+class Root(Step):
+    """The units of one model: their forward order (for prefetch), pending reductions, the end of
+    backward (a step of the end-of-backward registry's first phase, `units`)."""
+
+    phase = "units"
 
     def __init__(self, states: list[FSDPState]) -> None:
         self.states = states
@@ -44,7 +48,6 @@ class Root:
         self.recording = True
         self.index: dict[FSDPState, int] = {}
         self.pending: list[Reduction] = []
-        self.queued_task: Optional[int] = None
 
     def ran(self, state: FSDPState) -> None:
         if self.recording and state.unit is not None and state not in self.order:
@@ -67,13 +70,13 @@ class Root:
             reduction.finish()
 
     def queue_end_of_backward(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != -1 and task != self.queued_task:
-            self.queued_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+        if _in_backward():
+            arm(self)
+
+    def finish(self) -> None:
+        self.end_of_backward()
 
     def end_of_backward(self) -> None:
-        self.queued_task = None
         self.finish_reductions()
         for state in self.states:
             state.backward_started = False
@@ -85,7 +88,7 @@ class Root:
     def reset(self) -> None:
         """Forget a failed step: drop pending reductions and in-flight gathers, reshard every unit."""
         self.pending = []
-        self.queued_task = None
+        disarm(self)
         for state in self.states:
             state.backward_started = False
             state.open_nodes = 0

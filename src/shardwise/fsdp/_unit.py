@@ -15,7 +15,9 @@ sum of its own pieces; on an HSDP mesh one `all_reduce` over the replicate dim f
 
 The forward computes with views of the unsharded tensors made by one autograd function per
 unit (`_UnitGrad`), whose backward receives every parameter's gradient at once: that is
-the moment the unit's backward is over, so the reduction starts there.
+the moment the unit's backward is over, so the reduction starts there. Each unit is the
+registered reducer of its parameters in the end-of-backward registry (`_tensor/_end_of_backward.py`):
+a style that would reduce them again is refused, and `shardwise.debug.gradient_reducers` names it.
 
 An explicit `FSDPModule.unshard()` (`request`) also registers the unsharded parameters on
 the modules once the gather is done, as torch's FSDP2 does, so a program can read whole
@@ -41,7 +43,7 @@ from .._memory_events import memory_changed
 from .._mesh import DeviceMesh
 from .._compat import resize_storage_bytes_
 from .._placement import Placement, Replicate
-from .._tensor import DTensor
+from .._tensor import DTensor, GradientReducer, caller_place, register
 from .._tensor._compile import mark_persistent
 from ._param import UnitParam
 from ._policy import MixedPrecisionPolicy, OffloadPolicy
@@ -122,6 +124,29 @@ class _UnitGrad(torch.autograd.Function):
         return (None, None, None) + (None,) * len(grads)
 
 
+class _Reducer:
+    """A unit as the end-of-backward registry sees it: the reducer of its parameters (it reduces
+    them in its own backward; its root finishes the reductions in the registry's `units` phase)."""
+
+    def __init__(self, unit: Unit) -> None:
+        self.unit = unit
+
+    def gradient_reducer(self) -> GradientReducer:
+        unit = self.unit
+        op = "reduce_scatter" + (" + all_reduce" if unit.replicate_group is not None else "")
+        op += ", avg" if unit.divide_factor == unit.size * unit.replicate_size else f", sum / {unit.divide_factor:g}"
+        names = unit.mesh.mesh_dim_names
+        over = f"mesh dims {names}" if names else f"a mesh of shape {tuple(unit.mesh.shape)}"
+        ranks = tuple(int(r) for r in unit.mesh.mesh.flatten().tolist())
+        return GradientReducer(unit.registrant, "replicas", op, ranks, over, unit.where, sets_grad=True)
+
+    def reduced_params(self) -> list[tuple[str, torch.Tensor]]:
+        """The stored parameters, and the unsharded ones while an explicit unshard registers them."""
+        params = self.unit.params
+        out: list[tuple[str, torch.Tensor]] = [(p.name, p.param) for p in params]
+        return out + [(p.name, p.unsharded) for p in params if p.sharded is not None and p.unsharded is not None]
+
+
 class Unit:
     """The parameters of one `fully_shard` call and their collectives."""
 
@@ -151,6 +176,10 @@ class Unit:
         for p in params:
             by_dtype.setdefault(p.param.dtype, []).append(p)
         self.buckets = list(by_dtype.values())
+        self.registrant = f"fully_shard unit {name!r}"  # (data_parallel's ZeRO-3 units too: the same engine)
+        self.where = caller_place()
+        self.reducer = _Reducer(self)
+        register(self.reducer)  # the reducer of its parameters, for the end-of-backward registry
 
     # -- gather -------------------------------------------------------------------------
     def gather_dtype(self, p: UnitParam) -> torch.dtype:

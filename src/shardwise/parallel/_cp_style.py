@@ -22,12 +22,14 @@ The style wraps the module's forward. Each call:
    gradient stays this rank's share.
 
 The cp ranks hold the same parameters, and each computes the gradient of its own tokens'
-share: the style sums them over cp at the end of each backward pass (one all_reduce per
-bucket; gradients accumulated over several passes are summed once each). Parameters
-of `fully_shard` units whose ranks include the cp ranks are reduced by `fully_shard`
-instead (the HSDP / torchtitan `dp_shard_cp` layout): there the loss's gradient is
-scaled by cp, so `fully_shard`'s mean over dp x cp ranks is one process's gradient,
-averaged over data-parallel replicas only.
+share: the style sums them over cp at the end of each backward pass (a `GroupSum`, one
+all_reduce per bucket; gradients accumulated over several passes are summed once each).
+It asks the end-of-backward registry who already reduces each parameter: one that a
+reducer over ranks including the cp ranks reduces (a `fully_shard` unit over dp x cp, the
+HSDP / torchtitan `dp_shard_cp` layout) is left to it, and the loss's gradient is scaled
+by cp, so that unit's mean over dp x cp ranks is one process's gradient, averaged over
+data-parallel replicas only. One reduced over other ranks only (a unit or data_parallel
+over dp alone) would miss the sum over cp: that is refused, naming both.
 
 Layers transformers checkpoints (`model.gradient_checkpointing_enable()`) recompute in
 backward with context-parallel attention, as their first run had it (autograd runs
@@ -53,7 +55,7 @@ from torch import nn
 from .. import _comm as comm
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate
-from .._tensor import DTensor
+from .._tensor import DTensor, GroupSum, caller_place, reducers_at
 from ._context_parallel import cp_group, recomputed_under, split_sequence
 from ._cp_attention import CpAttention
 from ._cp_comm import CpGroup
@@ -62,7 +64,6 @@ from ._style import ParallelStyle
 __all__ = ["ContextParallel"]
 
 _IGNORE = -100  # transformers' ignore index
-_BUCKET_BYTES = 25 * 2**20  # gradients summed per all_reduce at the end of backward
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +90,8 @@ class ContextParallel(ParallelStyle):
         return {}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        runner = _Runner(module, cp_group(device_mesh, "ContextParallel"), self.seq_dim)
+        names = device_mesh.mesh_dim_names
+        runner = _Runner(module, cp_group(device_mesh, "ContextParallel"), self.seq_dim, names[0] if names else "cp")
         forward = functools.wraps(module.forward)(runner)
         forward._shardwise_cp = True  # type: ignore[attr-defined]
         module.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) run it
@@ -115,7 +117,7 @@ class _WholeLoss(torch.autograd.Function):
 class _Runner:
     """The wrapped forward of one module: split, run, make the loss whole; the gradient sums."""
 
-    def __init__(self, module: nn.Module, cp: CpGroup, seq_dim: int) -> None:
+    def __init__(self, module: nn.Module, cp: CpGroup, seq_dim: int, over: str) -> None:
         self.forward = module.forward
         self.module_ref = module  # (the module keeps this runner as its forward: a cycle, freed by gc)
         self.cp, self.seq_dim = cp, seq_dim
@@ -124,9 +126,9 @@ class _Runner:
         self.var_kw = next((n for n, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         self.hf = hasattr(module, "loss_function") and "labels" in params
         self.hooked: tuple[int, ...] = ()
-        self.handles: list[Any] = []
+        self.over, self.where = over, caller_place()  # (the parallelize_module call: the user's line)
         self.scale = 1.0
-        self.sums = _GradientSums(cp, 1.0)
+        self.sums = self._sums(1.0)
         self.length = 0  # this call's sequence length (set by _prepare)
         self.made_positions = False  # this call's position ids were made 0..S-1 here
 
@@ -233,98 +235,33 @@ class _Runner:
     # -- gradients ---------------------------------------------------------------------------
 
     def _hook_gradients(self) -> None:
-        """Hook the gradient sum over cp on the parameters no `fully_shard` unit over the cp ranks
-        reduces (again when the module's parameters were replaced since the last call)."""
+        """Sum over cp the gradients of the parameters that no reducer over ranks including the
+        cp ranks reduces (again when the module's parameters were replaced since the last call)."""
         self.sums.recover()
-        slots = [(m, n) for m in self.module_ref.modules() for n, p in m._parameters.items()
-                 if p is not None and p.requires_grad]
-        key = tuple(id(m._parameters[n]) for m, n in slots)
+        key = tuple(id(p) for m in self.module_ref.modules() for p in m._parameters.values()
+                    if p is not None and p.requires_grad)
         if key == self.hooked:
             return
-        for h in self.handles:
-            h.remove()
-        self.handles, self.hooked = [], key
-        covered = _covered_by_fsdp(self.module_ref, self.cp)
+        self.sums.release()
+        slots = [(f"{prefix}.{n}" if prefix else n, p) for prefix, m in self.module_ref.named_modules()
+                 for n, p in m._parameters.items() if p is not None and p.requires_grad]
+        owners, want = reducers_at("replicas"), set(self.cp.ranks)
+        covered = {id(p) for _, p in slots if id(p) in owners and want <= set(owners[id(p)][1].ranks)}
         self.scale = float(self.cp.size) if covered else 1.0
-        self.sums = _GradientSums(self.cp, self.scale)
-        for m, n in slots:
-            p = m._parameters[n]
-            assert p is not None
-            if (id(m), n) in covered or id(p) in self.sums.order:
-                continue
-            self.sums.order[id(p)] = len(self.sums.order)
-            self.handles.append(p.register_hook(  # type: ignore[no-untyped-call]
-                functools.partial(self.sums.arrived, p)))
+        self.sums = self._sums(self.scale)
+        self.sums.take([(n, p) for n, p in slots if id(p) not in covered], _HINT)  # (refused: asked again next call)
+        self.hooked = key
+
+    def _sums(self, scale: float) -> GroupSum:
+        cp = self.cp
+        return GroupSum("ContextParallel", cp.group, cp.size, cp.ranks, over=self.over, where=self.where,
+                        scale=scale, mesh_dims=(cp.mesh_dim,))
 
 
-class _GradientSums:
-    """Sums over cp, once at the end of each backward pass, the gradients the parameters got in
-    it: one all_reduce per bucket. A parameter's first gradient of a pass puts its `.grad` from
-    earlier passes aside (gradient accumulation), so only this pass's share is summed; the
-    sum is then added back to it."""
-
-    def __init__(self, cp: CpGroup, scale: float) -> None:
-        self.cp, self.scale = cp, scale
-        self.order: dict[int, int] = {}  # id(param) -> its place (the same on every cp rank)
-        self.touched: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}  # id -> (param, earlier .grad)
-        self.queued = False
-
-    def arrived(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        if id(param) not in self.touched:
-            self.touched[id(param)] = (param, param.grad)
-            param.grad = None
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        return grad
-
-    def finish(self) -> None:
-        self.queued = False
-        items = sorted(self.touched.values(), key=lambda item: self.order[id(item[0])])
-        self.touched = {}
-        with torch.no_grad():
-            held = [(p, earlier) for p, earlier in items if p.grad is not None]
-            for group in _groups([_local(p.grad) for p, _ in held], _BUCKET_BYTES):
-                # one bucket alive at a time: the sums land in the gradients before the next is packed
-                summed = comm.all_reduce_coalesced(group, self.cp.group, self.cp.size, "sum",
-                                                   bucket_bytes=_BUCKET_BYTES, mesh_dims=(self.cp.mesh_dim,))
-                for piece, total in zip(group, summed):
-                    assert total is not None
-                    piece.copy_(total / self.scale if self.scale != 1 else total)
-                del summed
-            for p, earlier in held:
-                if earlier is not None:
-                    _local(earlier).add_(_local(p.grad))  # (one layout: the pieces add as the wholes do)
-                    p.grad = earlier
-            for p, earlier in items:
-                if p.grad is None and earlier is not None:
-                    p.grad = earlier
-
-    def recover(self) -> None:
-        """After a backward that failed before its end: the gradients put aside go back."""
-        for p, earlier in self.touched.values():
-            if earlier is not None:
-                p.grad = earlier
-        self.touched, self.queued = {}, False
-
-
-def _groups(pieces: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """`pieces` in order, cut into runs of at most `limit` bytes (a larger piece alone)."""
-    groups: list[list[torch.Tensor]] = []
-    size = limit
-    for piece in pieces:
-        nbytes = piece.numel() * piece.element_size()
-        if size + nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(piece)
-        size += nbytes
-    return groups
-
-
-def _local(t: Optional[torch.Tensor]) -> torch.Tensor:
-    assert t is not None
-    return t.to_local() if isinstance(t, DTensor) else t
+_HINT = ("ContextParallel sums every parameter's gradient over the cp ranks; one already reduced over other "
+         "ranks (a fully_shard unit or data_parallel over dp alone) needs that sum as well: shard it over a mesh "
+         "that holds the cp ranks too (fully_shard(module, mesh=mesh['dp', 'cp']._flatten('dp_cp')), the "
+         "dp_shard_cp layout), whose reduction then covers cp")
 
 
 @contextlib.contextmanager
@@ -347,20 +284,3 @@ def _checkpoints_under(module: nn.Module, attention: CpAttention) -> Iterator[No
 def _checkpoint_under(checkpoint: Callable[..., Any], attention: CpAttention, fn: Callable[..., Any], *args: Any,
                       **kwargs: Any) -> Any:
     return checkpoint(recomputed_under(attention, fn), *args, **kwargs)
-
-
-def _covered_by_fsdp(module: nn.Module, cp: CpGroup) -> set[tuple[int, str]]:
-    """(module id, attribute) of every parameter slot a `fully_shard` unit reduces over ranks that
-    include this rank's cp ranks."""
-    from ..fsdp._state import state_of
-
-    covered: set[tuple[int, str]] = set()
-    want = set(cp.ranks)
-    for m in module.modules():
-        state = state_of(m)
-        unit = state.unit if state is not None else None
-        if unit is None or not want <= {int(r) for r in unit.mesh.mesh.flatten().tolist()}:
-            continue
-        for up in unit.params:
-            covered.update((id(owner), attr) for owner, attr in up.owners)
-    return covered

@@ -19,11 +19,11 @@ plain local piece, or a DTensor on the tensor-parallel sub-mesh.
 Each rank's gradient is that of its own mean loss, so the average over dp is the
 gradient of the mean over the whole batch (equal local batch sizes). Replicated
 gradients go through the one bucketer (`_comm.all_reduce_coalesced`: buckets of about
-`bucket_cap_mb` per dtype) once per backward, from an autograd-engine callback, in a
-fixed order (last registered first): the
-collectives match across ranks even when a rank leaves some parameters unused (a
-parameter's gradient stays None only when no rank used it). Gloo runs collectives
-synchronously, so buckets are reduced at the end of backward rather than overlapped.
+`bucket_cap_mb` per dtype) once per backward, as a step of the end-of-backward registry
+(`_dp_grads._Reducer`, the registered reducer of those parameters), in a fixed order (last
+registered first): the collectives match across ranks even when a rank leaves some
+parameters unused (a parameter's gradient stays None only when no rank used it). Gloo runs
+collectives synchronously, so buckets are reduced at the end of backward rather than overlapped.
 
 Sharding picks a tensor dim that tensor parallelism does not split, so gathering is one
 all_gather of the tensor-parallel piece; a parameter with every dim split by tensor
@@ -38,7 +38,6 @@ holds about two blocks unsharded at a time, so the 1/dp saving holds at its peak
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, cast
@@ -53,145 +52,16 @@ from .._mesh import DeviceMesh
 from .._mesh_dry import DryMesh, as_device_mesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._spec import DTensorSpec, TensorMeta
-from .._tensor import DTensor
-from .._tensor._grad_reduce import deferred
+from .._tensor import DTensor, GradientReducer, caller_place, deferred, register, unwatch_leaf
 from .._layout import chunk_range
 from ..fsdp._param import TensorParallel, UnitParam
 from ..fsdp._zero import shard_by_units
+from ._dp_grads import _LocalView, _Param, _Reducer
 from ._pretrained import adopt_save_pretrained
 
 __all__ = ["data_parallel", "global_mean", "memory_report", "no_sync"]
 
 _STATE_ATTR = "_shardwise_data_parallel"
-
-
-@dataclass(eq=False)
-class _Param:
-    """One stored parameter and how to build its compute view."""
-
-    name: str
-    param: DTensor  # an nn.Parameter DTensor on the whole mesh
-    sharded: bool  # Shard(k) on dp (else Replicate)
-    gathered: DTensorSpec  # Replicate on dp, tp placements on the rest: what forward computes with
-    grad_spec: DTensorSpec  # Partial("avg") on dp: the layout of a local gradient
-    tp_mesh: Optional[DeviceMesh]  # set when the parameter was a DTensor on the tp sub-mesh
-    tp_placements: tuple[Placement, ...] = ()
-    tp_order: ShardOrder = ()
-    piece_shape: tuple[int, ...] = ()  # what a dp gather gives back: the tp piece, or the whole parameter
-
-    def local_shape(self) -> torch.Size:
-        return self.param._local_tensor.shape
-
-
-@dataclass(eq=False)
-class _Reducer:
-    """Averages replicated parameters' local gradients over dp through the one bucketer
-    (`_comm.all_reduce_coalesced`), once per backward.
-
-    Until then a parameter's unreduced local sum lives where `zero_grad()` and `p.grad = None`
-    clear it, so an abandoned `no_sync()` accumulation or a backward that failed halfway cannot
-    leak into the next step: in `.grad` itself, laid out as the Partial("avg") it is
-    (`_Param.grad_spec`), or, when `.grad` already holds a reduced gradient (accumulation over
-    a reduced backward), beside it, tied to that very gradient tensor and its version (a
-    `zero_()` or a new `.grad` drops it)."""
-
-    params: list[_Param]  # last registered first: about the order backward produces them
-    group: Any
-    size: int
-    bucket_bytes: int
-    sync: bool = True
-    # id(_Param) -> (the reduced .grad it adds to, that grad's version, the local sum)
-    beside: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = field(default_factory=dict)
-    queued_task: Optional[int] = None
-    reduced: set[int] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.reduced = {id(p) for p in self.params}
-
-    def add(self, p: _Param, grad: torch.Tensor) -> None:
-        if id(p) not in self.reduced:
-            raise ValueError(
-                f"parameter {p.name} got a gradient but did not require one when data_parallel placed it: "
-                f"set requires_grad before calling data_parallel"
-            )
-        held = p.param.grad
-        if held is None:  # the term becomes the gradient, as the Partial it is
-            p.param.grad = DTensor(grad.detach().clone(memory_format=torch.contiguous_format), p.grad_spec,
-                                   requires_grad=False)
-        elif held._spec == p.grad_spec:  # type: ignore[attr-defined]
-            held._local_tensor.add_(grad)  # type: ignore[attr-defined]
-        else:
-            term = self._beside(p, held)
-            if term is None:
-                term = torch.zeros_like(grad, memory_format=torch.contiguous_format)
-            term.add_(grad)
-            self.beside[id(p)] = (weakref.ref(held), held._version, term)
-        if not self.sync:
-            return
-        task = torch._C._current_graph_task_id()
-        if self.queued_task != task or task == -1:
-            self.queued_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-
-    def flush(self) -> None:
-        """Average the held gradients over dp and add them to the parameters' `.grad` (Replicate
-        on dp); a parameter no rank used keeps its gradient as it was."""
-        self.queued_task = None
-        with torch.no_grad():
-            grads = [p.param.grad for p in self.params]
-            values = [self._unreduced(p, g) for p, g in zip(self.params, grads)]
-            self.beside.clear()
-            templates = [p.param._local_tensor for p in self.params]
-            try:
-                averaged = comm.all_reduce_coalesced(values, self.group, self.size, "avg", templates=templates,
-                                                     bucket_bytes=self.bucket_bytes)
-            except comm.CollectiveError as exc:
-                raise exc.add_operation(f"data parallel: averaging the gradients of {len(self.params)} parameters "
-                                        f"over {self.size} ranks at the end of backward")
-            for p, g, piece in zip(self.params, grads, averaged):
-                if piece is None:
-                    continue
-                if g is None or g._spec == p.grad_spec:  # type: ignore[attr-defined]
-                    p.param.grad = DTensor(piece, p.param._spec, requires_grad=False)
-                else:
-                    g._local_tensor.add_(piece)  # type: ignore[attr-defined]
-
-    def _beside(self, p: _Param, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        """The local sum kept beside `grad` (a reduced gradient), if `grad` is still the tensor
-        it was kept for and nothing has changed it in place since."""
-        found = self.beside.get(id(p))
-        if found is None or found[0]() is not grad or grad._version != found[1]:
-            return None
-        return found[2]
-
-    def _unreduced(self, p: _Param, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """`p`'s unreduced local sum: its `.grad` while that is the Partial("avg") term, else the
-        sum kept beside its reduced `.grad`; None when there is none (cleared with the grads)."""
-        if grad is None:
-            return None
-        if grad._spec == p.grad_spec:  # type: ignore[attr-defined]
-            return grad._local_tensor  # type: ignore[attr-defined,no-any-return]
-        return self._beside(p, grad)
-
-
-class _LocalView(torch.autograd.Function):
-    """This rank's piece of a whole-mesh DTensor as a plain tensor; its gradient goes to the reducer or back as P(avg)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: DTensor, p: _Param, reducer: Optional[_Reducer]) -> torch.Tensor:
-        ctx.p, ctx.reducer = p, reducer
-        local = x._local_tensor
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
-        p: _Param = ctx.p
-        if isinstance(grad, DTensor):  # a plain view that met tensor-parallel DTensors: replicated on tp
-            grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)._local_tensor
-        if ctx.reducer is not None:
-            ctx.reducer.add(p, grad)
-            return None, None, None
-        return DTensor(grad, p.grad_spec, requires_grad=False), None, None
 
 
 @dataclass(eq=False)
@@ -238,7 +108,35 @@ def data_parallel(
     Per step, every dp rank runs forward on its own batch and calls backward on its mean
     loss; the parameters' gradients are then the gradients of the whole batch's mean loss.
     """
-    problems: list[str] = []
+    device_mesh, d = _checked(module, device_mesh, dp_dim, bucket_cap_mb)
+    made, owners = _placed(module, device_mesh, d, shard_parameters)
+    readers: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner, items in owners.items():
+        for attr, entry in items:
+            owner._parameters[attr] = cast(nn.Parameter, entry.param)
+            readers.setdefault(id(entry), []).append((owner, attr))
+
+    params = list(made.values())
+    replicated = {o: [(a, e) for a, e in items if not e.sharded] for o, items in owners.items()}
+    reducer = _reducer(params, device_mesh, d, bucket_cap_mb)
+    register(reducer)
+    for p in reducer.params:  # it sets their gradients in their layout: the layout step leaves them alone
+        unwatch_leaf(p.param)
+    state = _State(device_mesh, d, params, {o: items for o, items in replicated.items() if items}, reducer)
+    for owner, items in state.owners.items():
+        state.handles.append(owner.register_forward_pre_hook(_make_pre_hook(state, items), prepend=True))
+        state.handles.append(owner.register_forward_hook(_make_post_hook(items), always_call=True))
+    sharded = [_unit_param(p, readers[id(p)], device_mesh, d) for p in params if p.sharded]
+    if sharded:
+        state.units = shard_by_units(module, device_mesh, d, sharded)  # (its units register themselves)
+    object.__setattr__(module, _STATE_ATTR, state)
+    adopt_save_pretrained(module)
+    return module
+
+
+def _checked(module: nn.Module, device_mesh: Any, dp_dim: Optional[Union[int, str]], bucket_cap_mb: float
+             ) -> tuple[DeviceMesh, int]:
+    """The mesh and the dp mesh dim index, after checking the arguments."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"data_parallel takes an nn.Module, got {describe(module)}")
     device_mesh = as_device_mesh(device_mesh)
@@ -256,8 +154,14 @@ def data_parallel(
     d = device_mesh.mesh_dim_index(dp_dim)
     if device_mesh.get_coordinate() is None:
         raise ValueError(f"this rank is not part of {device_mesh!r}: build the mesh over the ranks that train")
-    tp_mesh = _rest_mesh(device_mesh, d)
+    return device_mesh, d
 
+
+def _placed(module: nn.Module, device_mesh: DeviceMesh, d: int, shard_parameters: bool
+            ) -> tuple[dict[int, _Param], dict[nn.Module, list[tuple[str, _Param]]]]:
+    """Every parameter stored on the whole mesh (tied ones once), and where each is read."""
+    tp_mesh = _rest_mesh(device_mesh, d)
+    problems: list[str] = []
     made: dict[int, _Param] = {}
     owners: dict[nn.Module, list[tuple[str, _Param]]] = {}
     for prefix, owner in module.named_modules():
@@ -273,26 +177,16 @@ def data_parallel(
             owners.setdefault(owner, []).append((attr, made[id(p)]))
     if problems:
         raise ValueError("data_parallel cannot place these parameters:\n  - " + "\n  - ".join(problems))
-    readers: dict[int, list[tuple[nn.Module, str]]] = {}
-    for owner, items in owners.items():
-        for attr, entry in items:
-            owner._parameters[attr] = cast(nn.Parameter, entry.param)
-            readers.setdefault(id(entry), []).append((owner, attr))
+    return made, owners
 
-    params = list(made.values())
+
+def _reducer(params: list[_Param], mesh: DeviceMesh, d: int, bucket_cap_mb: float) -> _Reducer:
+    """The reducer of the replicated parameters that need gradients (last registered first)."""
     reduced = [p for p in reversed(params) if not p.sharded and p.param.requires_grad]
-    reducer = _Reducer(reduced, device_mesh.get_group(d), device_mesh.size(d), int(bucket_cap_mb * 2**20))
-    replicated = {o: [(a, e) for a, e in items if not e.sharded] for o, items in owners.items()}
-    state = _State(device_mesh, d, params, {o: items for o, items in replicated.items() if items}, reducer)
-    for owner, items in state.owners.items():
-        state.handles.append(owner.register_forward_pre_hook(_make_pre_hook(state, items), prepend=True))
-        state.handles.append(owner.register_forward_hook(_make_post_hook(items), always_call=True))
-    sharded = [_unit_param(p, readers[id(p)], device_mesh, d) for p in params if p.sharded]
-    if sharded:
-        state.units = shard_by_units(module, device_mesh, d, sharded)
-    object.__setattr__(module, _STATE_ATTR, state)
-    adopt_save_pretrained(module)
-    return module
+    names = mesh.mesh_dim_names
+    record = GradientReducer("data_parallel", "replicas", "avg", mesh.ranks_along(d),
+                             f"mesh dim {names[d]!r}" if names else f"mesh dim {d}", caller_place(), sets_grad=True)
+    return _Reducer(reduced, mesh.get_group(d), mesh.size(d), int(bucket_cap_mb * 2**20), record)
 
 
 def _unit_param(p: _Param, owners: list[tuple[nn.Module, str]], mesh: DeviceMesh, d: int) -> UnitParam:

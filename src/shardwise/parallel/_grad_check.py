@@ -11,7 +11,8 @@ copies drift apart (under torch as well). Nothing fails; the loss is just off.
 
 So at the end of the first backward pass the ranks of the tensor-parallel mesh compare a
 fingerprint of every plain parameter's gradient (shape and three sums: one small
-all_gather, once) and, where they differ, raise on every rank a ValueError naming the
+all_gather, once, after every reduction of that pass: the end-of-backward registry's
+`checks` phase) and, where they differ, raise on every rank a ValueError naming the
 parameters and the style that fixes them (`ReplicateParallel`, transformers'
 "replicated_with_grad_allreduce"). Then the hooks are removed: later steps cost nothing.
 """
@@ -26,8 +27,7 @@ from torch import nn
 from .. import _comm as comm
 from .._mesh import DeviceMesh
 from .._mesh_dry import DryMesh
-from .._tensor import DTensor
-from .._tensor._grad_reduce import reduce_noted
+from .._tensor import DTensor, Step, arm, is_armed
 from .._tensor._plain import FINGERPRINT_WIDTH, fingerprint, same_fingerprint
 
 __all__ = ["PlainGradientCheck"]
@@ -35,15 +35,17 @@ __all__ = ["PlainGradientCheck"]
 _NO_GRAD = [-2] * FINGERPRINT_WIDTH
 
 
-class PlainGradientCheck:
-    """Watches `module`'s plain parameters until the end of the first backward pass that gives one a gradient."""
+class PlainGradientCheck(Step):
+    """Watches `module`'s plain parameters until the end of the first backward pass that gives one a gradient
+    (a step of the end-of-backward registry's last phase, `checks`: the gradients are settled by then)."""
+
+    phase = "checks"
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh) -> None:
         self.module = module
         self.mesh = mesh
         self.names = [n for n, p in module.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
         self.handles: list[Any] = []
-        self.queued = False
 
     @classmethod
     def install(cls, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -57,12 +59,11 @@ class PlainGradientCheck:
                 check._accumulated))
 
     def _accumulated(self, _param: torch.Tensor) -> None:
-        if not self.queued and self.handles:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._check)
+        if self.handles and not is_armed(self):
+            arm(self)
 
-    def _check(self) -> None:
-        reduce_noted()  # plain parameters' DTensor gradients made whole first: they are compared as such
+    def finish(self) -> None:
+        # plain parameters' DTensor gradients were made whole (the `layout` phase): compared as such
         for h in self.handles:
             h.remove()
         self.handles.clear()

@@ -12,7 +12,9 @@ Under `ReplicateParallel` the module's parameters are replicated DTensors; given
 (local) inputs, its own forward runs on their local pieces, whose gradients flow back as
 `Partial` terms and are summed over the mesh once, at the end of backward, with the other
 gradients (`_tensor._grad_reduce`). Given DTensor inputs it runs on DTensors, and their
-layouts say what to reduce. transformers calls this style "replicated_with_grad_allreduce";
+layouts say what to reduce. The style registers itself with the end-of-backward registry as
+those parameters' reducer at level `layout` (the sum over its mesh), so the public query
+(`shardwise.debug.gradient_reducers`) names it. transformers calls this style "replicated_with_grad_allreduce";
 torchtitan writes `SequenceParallel(sequence_dim=2)` for the same modules, which needs the
 split dim.
 """
@@ -20,15 +22,17 @@ split dim.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate
-from .._tensor import DTensor
+from .._tensor import DTensor, GradientReducer, caller_place, register
 from ._distribute import place_parameter
 from ._local_params import local_parameters
 from ._style import ParallelStyle
@@ -57,13 +61,17 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         owners: list[tuple[nn.Module, list[str]]] = []
+        placed: list[tuple[str, torch.Tensor]] = []
         for path, sub in module.named_modules():
             names = [k for k, p in sub._parameters.items() if p is not None]
             for k in names:
-                place_parameter(sub, k, (Replicate(),), device_mesh, src_data_rank=self.src_data_rank,
-                                where=f"{type(module).__name__}{'.' + path if path else ''}.{k}")
+                where = f"{type(module).__name__}{'.' + path if path else ''}.{k}"
+                place_parameter(sub, k, (Replicate(),), device_mesh, src_data_rank=self.src_data_rank, where=where)
+                placed.append((where, sub._parameters[k]))
             if names:
                 owners.append((sub, names))
+        registered = _Registered(device_mesh, placed)
+        register(registered)
         forward = module.forward
 
         def replicated_forward(*args: Any, **kwargs: Any) -> Any:
@@ -74,5 +82,24 @@ class ReplicateParallel(ParallelStyle):
                     stack.enter_context(local_parameters(sub, names, grad_placements=(Partial(),)))
                 return forward(*args, **kwargs)
 
+        replicated_forward._shardwise_reducer = registered  # type: ignore[attr-defined]  # (registered weakly)
         module.forward = replicated_forward
         return module
+
+
+class _Registered:
+    """ReplicateParallel as the end-of-backward registry sees it: the reducer, at level `layout`,
+    of the parameters it placed (held weakly: a later wrapper that replaces them takes over)."""
+
+    def __init__(self, mesh: DeviceMesh, params: list[tuple[str, torch.Tensor]]) -> None:
+        names = mesh.mesh_dim_names
+        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        over = f"mesh dim {names[0]!r}" if names else "its 1-D mesh"
+        self.record = GradientReducer("ReplicateParallel", "layout", "sum", ranks, over, caller_place())
+        self.params = [(name, weakref.ref(p)) for name, p in params]
+
+    def gradient_reducer(self) -> GradientReducer:
+        return self.record
+
+    def reduced_params(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p) for name, ref in self.params if (p := ref()) is not None]
