@@ -216,3 +216,10 @@ def test_gradients_reach_the_end_of_backward_only_through_the_registry(tmp_path:
              if (lines := queue_callback_calls(path))}
     assert not found, f"queue_callback outside {_REGISTRY} (arm a Step there instead): {found}"
     assert queue_callback_calls(modules[_REGISTRY])  # and the registry does queue one
+
+
+def test_no_import_cycle_inside_the_pipeline_not_even_for_type_checking() -> None:
+    graph = import_graph(type_checking=True)
+    inside = {name for name in graph if name.startswith("shardwise.pipeline")}
+    found = cycles({name: graph[name] & inside for name in inside})
+    assert not found, "import cycles in shardwise.pipeline:\n" + "\n".join(" <-> ".join(c) for c in found)

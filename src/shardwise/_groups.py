@@ -7,7 +7,8 @@ differ in number from rank to rank by nature, so they stay off the groups whose 
 every rank issues alike (and `shardwise.testing` leaves it out of its in-step check). A
 job that runs beside the program (an `async_save` agreeing from a thread) gets a
 world-spanning group of its own (`side_group`), so its collectives never interleave with
-the program's on a shared group.
+the program's on a shared group. Groups a caller owns (`new_groups`) go back through
+`destroy_groups`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch.distributed as dist
 
 from ._compat import new_group_in_order
 
-__all__ = ["GROUPS", "POINT_TO_POINT", "collective_timeout", "crossing_group", "group_for", "new_groups", "side_group"]
+__all__ = ["GROUPS", "POINT_TO_POINT", "collective_timeout", "crossing_group", "destroy_groups", "group_for",
+           "new_groups", "side_group"]
 
 GROUPS: dict[tuple[int, Any], Any] = {}  # (id of the world's group, ranks or a role) -> group
 POINT_TO_POINT: set[str] = set()  # names of the groups that carry point-to-point messages only
@@ -76,6 +78,15 @@ def new_groups(rows: Sequence[Sequence[int]], backend: Optional[str], *, point_t
     if point_to_point and mine is not None:
         POINT_TO_POINT.add(mine.group_name)
     return mine
+
+
+def destroy_groups(groups: Sequence[Any]) -> None:
+    """Destroy groups made by `new_groups` (collective: every member calls it, in the same
+    order); None and stand-ins that are no process group (a dry run's labels) are skipped."""
+    for group in groups:
+        if isinstance(group, dist.ProcessGroup):
+            POINT_TO_POINT.discard(group.group_name)
+            dist.destroy_process_group(group)
 
 
 def side_group(role: str, backend: Optional[str] = None) -> Any:

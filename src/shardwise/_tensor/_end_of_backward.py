@@ -17,7 +17,7 @@ of an SPMD program, so their collectives match):
 | `units` | collectives started during backward finished, units resharded | `fully_shard` / ZeRO-3 roots |
 | `layout` | each gradient moved into its parameter's own layout | DTensor and plain leaves (`_grad_reduce`) |
 | `replicas` | a sum or mean over the ranks that hold copies of a parameter | `data_parallel`, `ContextParallel` (`GroupSum`) |
-| `across` | sums over replica groups or pipeline stages | (fault tolerance, pipelines: see below) |
+| `across` | sums over replica groups | (fault tolerance: see below; pipelines run theirs after the schedule) |
 | `checks` | reading the settled gradients | the plain-gradient check (`parallel/_grad_check.py`) |
 
 A reentrant backward inside a pass (a checkpoint recomputing with `use_reentrant=True`) is a
@@ -44,10 +44,12 @@ Slotting in later, with no callback of their own:
   them, the registration fails, which is the point;
 - fault-tolerant cross-group reduction: a reducer at level `across` whose `Step` (phase
   `across`) reduces every parameter's gradient over the manager's group after each replica
-  group's own reduction, and records what `should_commit` reads;
-- pipelines: their sums after a schedule (shared parameters over the stages holding them, cp,
-  dp) as one reducer at level `across` and a `Step` of phase `across`, armed from the last
-  micro-batch's backward or finished after the schedule, so the query and refusals cover them.
+  group's own reduction, and records what `should_commit` reads.
+
+Pipelines (`DistributedPipe`) register their sums too, but run them after the schedule
+rather than at the end of each backward pass (one step holds many passes): the average over
+dp at level `replicas` (unless ZeRO-3 units hold it), the sum of each tied parameter over the
+stages holding it, and the sum over cp, at level `across` (a ZeRO-3 unit may hold `replicas`).
 """
 
 from __future__ import annotations

@@ -1,145 +1,222 @@
-"""Gradients after a pipeline step: parameters shared across stages summed, then averaged over dp.
+"""A pipe's gradient sums after a step, registered as the reducers of its parameters.
 
-Shared parameters (embeddings tied to the LM head) are found by identity before any stage is
-sharded; each pp rank holding one keeps its own copy. Copies on stages of one tp width sum
-their gradients piece by piece (one all_reduce per set of holders, in a group of just those
-ranks); copies on stages of different widths are split differently, so their holders swap
-gradients across meshes (`_crossing`) and each sums every holder's term in pp order. Then
-each rank's gradients are averaged over dp, bucketed (under ZeRO-3 data parallel has done
-that in backward already).
+A pipe's stages run one backward pass per micro-batch and stage, and its sums need all of
+them: so they are end-of-backward `Step`s that the pipe finishes itself once the schedule is
+done (`PipeGradients.finish`, in phase order), never armed at the end of one pass. They are
+still the registered reducers of their parameters (see `_tensor/_end_of_backward.py`):
+`shardwise.debug.gradient_reducers` names them, and a second reducer of one of them at the
+same level (a `data_parallel` over the model given to the pipe, a second pipe over the same
+live model) is refused, naming both registrations.
+
+| level, phase | over | the sum |
+|---|---|---|
+| `replicas` | `mesh dim 'dp'` | average over the stage's dp replicas, bucketed (none under ZeRO-3: `data_parallel`'s units are that reducer) |
+| `across` | `the stages sharing it (pp indices [...])` | a tied parameter's copies summed over the pp ranks holding them (`_ties`) |
+| `across` | `mesh dim 'cp'` | every gradient summed over the cp ranks (each computed its own tokens' share) |
+
+A tied parameter's copies sum with one all_reduce over just the holders' ranks; holders whose
+tp rows differ in width swap gradients across meshes (`_crossing`) and each sums the terms in
+pp order. Under cp, a tied parameter's one `across` reducer composes both sums (its record
+says so): the tie's first, then cp's.
+
+The cp sum is at level `across`: each cp rank's pipeline is a replica group of its own whose
+replicas level is the dp average (under ZeRO-3, `data_parallel`'s), and the cp ranks then sum
+across those groups.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, Optional
 
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _comm as comm
-from .._mesh import collective_timeout
-from .._mesh_dry import DryGroup, simulated_rank
 from .._placement import Replicate
-from .._tensor import DTensor, from_local
-from ._topology import Topology
-from ._wire import Channel, PipelineError, RemoteFailure
+from .._tensor import DTensor, GradientReducer, Step, caller_place, from_local, register, unregister
+from ._channels import Channel
+from ._guard import StepGuard
+from ._layout import PipeLayout
+from ._process_groups import PipeGroups
+from ._ties import Tie
+from ._wire import PipelineError, RemoteFailure, Wire
 
-if TYPE_CHECKING:
-    from ._runtime import DistributedPipe
+__all__ = ["PipeGradients", "PipeReducer", "pipe_gradients"]
 
-__all__ = ["Shared", "check_shared", "reduce_gradients", "shared_across_ranks", "shared_groups",
-           "sum_shared_gradients"]
+Params = Callable[[], Sequence[tuple[str, nn.Parameter]]]  # (name, parameter) of this rank, looked up when asked
+
+_HINT = ("A DistributedPipe reduces its stages' gradients itself (over its dp, cp and tied stages): build it from a "
+         "model that no data_parallel / fully_shard holds, and close() an earlier pipe over the same model first.")
 
 
-def sum_shared_gradients(self: DistributedPipe) -> None:
-    """A parameter that stages on several pp ranks share (tied embeddings) gets the sum of
-    their gradients on each of them, so every copy steps alike."""
-    for k, shared in enumerate(self._shared):
-        if shared.across:
-            _sum_across(self, k, shared)
-        if shared.group is None:
-            continue
-        grads = [p.grad for p in shared.params]
-        try:  # a tensor-parallel copy's piece, with the same piece of the other copies
-            summed = comm.all_reduce_coalesced([_piece(g) for g in grads], shared.group, len(shared.holders),
-                                               "sum", templates=[_local(p) for p in shared.params],
-                                               bucket_bytes=int(self.bucket_cap_mb * 2**20))
+class PipeReducer:
+    """One registered reducer of a pipe: its record and the parameters it reduces (looked up
+    when asked, so sharding or `to_empty` replacing them does not leave the registry stale)."""
+
+    def __init__(self, record: GradientReducer, params: Params) -> None:
+        self.record, self.params = record, params
+
+    def gradient_reducer(self) -> GradientReducer:
+        return self.record
+
+    def reduced_params(self) -> list[tuple[str, Tensor]]:
+        return list(self.params())
+
+
+class PipeGradients:
+    """A pipe's reducers on this rank, registered (`register`), and its sums, finished after
+    every training step in phase order (`finish`); `release` forgets them (at `close()`)."""
+
+    def __init__(self, reducers: list[PipeReducer], steps: list[Step]) -> None:
+        self.reducers, self.steps = reducers, steps  # in phase order: "replicas", then "across"
+
+    def register(self) -> None:
+        done: list[PipeReducer] = []
+        try:
+            for reducer in self.reducers:
+                register(reducer, _HINT)
+                done.append(reducer)
+        except ValueError:
+            for reducer in done:
+                unregister(reducer)
+            raise
+
+    def finish(self) -> None:
+        for step in self.steps:
+            step.finish()
+
+    def release(self) -> None:
+        for reducer in self.reducers:
+            unregister(reducer)
+        self.reducers, self.steps = [], []
+
+
+def pipe_gradients(layout: PipeLayout, groups: PipeGroups, wire: Wire, guard: StepGuard,
+                   local: nn.ModuleDict) -> PipeGradients:
+    """The reducers and sums of a pipe whose stages on this rank are `local` (not registered yet)."""
+    where, bucket = caller_place(), int(layout.bucket_cap_mb * 2**20)
+
+    def every() -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for name, p in local.named_parameters() if p.requires_grad]
+
+    found: list[tuple[PipeReducer, Step]] = []  # in phase order
+    if groups.dp is not None and groups.dp_size > 1 and not layout.shard_parameters:
+        assert layout.dp_dim is not None
+        record = GradientReducer("DistributedPipe", "replicas", "avg", layout.stage_mesh.ranks_along(layout.dp_dim),
+                                 f"mesh dim {layout.dp_dim!r}", where)
+        found.append((PipeReducer(record, every), _BucketedSum(
+            "replicas", every, groups.dp, groups.dp_size, "avg", bucket,
+            f"rank {layout.rank}: averaging gradients over {layout.dp_dim!r}",
+            "a rank of another data-parallel replica probably failed in this step")))
+    cp = groups.cp if groups.cp is not None and groups.cp.size > 1 else None
+    tied: set[str] = set()
+    for k, (tie, group) in enumerate(zip(layout.ties, groups.ties)):
+        def copies(tie: Tie = tie) -> list[tuple[str, nn.Parameter]]:
+            return tie.params(local)
+
+        held = {name for name, _ in copies()}
+        if held:  # (a rank that holds none of them takes no part)
+            tied |= held
+            record = _tie_record(layout, tie, cp.ranks if cp is not None else None, where)
+            found.append((PipeReducer(record, copies), _SumAcross(layout, wire, guard, k, tie, copies) if tie.across
+                          else _BucketedSum("across", copies, group, len(tie.holders), "sum", bucket,
+                                            f"rank {layout.rank}: summing the gradients of {list(tie.names)} over the "
+                                            f"pp ranks {list(tie.holders)}", "one of them probably failed")))
+    if cp is not None:
+        def untied() -> list[tuple[str, nn.Parameter]]:
+            return [(name, p) for name, p in every() if name not in tied]
+
+        record = GradientReducer("DistributedPipe", "across", "sum", cp.ranks, f"mesh dim {layout.cp_dim!r}", where)
+        found.append((PipeReducer(record, untied), _BucketedSum(
+            "across", every, cp.group, cp.size, "sum", bucket, f"rank {layout.rank}: summing gradients over "
+            f"{layout.cp_dim!r}", "a rank of another cp piece probably failed in this step")))
+    return PipeGradients([reducer for reducer, _ in found], [step for _, step in found])
+
+
+def _tie_record(layout: PipeLayout, tie: Tie, cp_ranks: Optional[tuple[int, ...]], where: str) -> GradientReducer:
+    """The record of a tie's sum on this rank: over the holders' copies that line up with its
+    own, then (under cp) over its cp peers' sums, which the cp step adds after it."""
+    over = f"the stages sharing it (pp indices {list(tie.holders)})"
+    if cp_ranks is None:
+        return GradientReducer("DistributedPipe", "across", "sum", _tie_ranks(layout, tie), over, where)
+    ranks = tuple(sorted({r for row in tie.rows if set(row) & set(cp_ranks) for r in row}))  # (one mesh: rows)
+    return GradientReducer("DistributedPipe", "across", "sum", ranks, f"{over}, then mesh dim {layout.cp_dim!r}", where)
+
+
+def _tie_ranks(layout: PipeLayout, tie: Tie) -> tuple[int, ...]:
+    """The global ranks whose copies of `tie` this rank's copy is summed with (itself included)."""
+    if tie.across:
+        return tuple(sorted({r for h in tie.holders for r in layout.topology.row(h)}))
+    return next((row for row in tie.rows if layout.rank in row), (layout.rank,))
+
+
+class _BucketedSum(Step):
+    """The gradients of `params()` summed (or averaged) over `group`, one all_reduce per bucket;
+    a failure is a PipelineError saying what failed (`what`) and who probably did (`suspect`)."""
+
+    def __init__(self, phase: str, params: Params, group: Any, size: int, op: str, bucket_bytes: int, what: str,
+                 suspect: str) -> None:
+        self.phase, self.params, self.group, self.size, self.op = phase, params, group, size, op
+        self.bucket_bytes, self.what, self.suspect = bucket_bytes, what, suspect
+
+    def finish(self) -> None:
+        params = [p for _, p in self.params()]
+        grads = [p.grad for p in params]
+        try:  # a tensor-parallel parameter's piece, with the same piece on the other ranks
+            reduced = comm.all_reduce_coalesced([_piece(g) for g in grads], self.group, self.size, self.op,
+                                                templates=[_local(p) for p in params], bucket_bytes=self.bucket_bytes)
         except RuntimeError as exc:
-            raise PipelineError(
-                f"rank {self.rank}: summing the gradients of {shared.names} over the pp ranks "
-                f"{list(shared.holders)} that share them failed ({exc}): one of them probably failed") from exc
-        for p, g, piece in zip(shared.params, grads, summed):
+            raise PipelineError(f"{self.what} failed ({exc}): {self.suspect}") from exc
+        for p, g, piece in zip(params, grads, reduced):
             if piece is not None:
                 p.grad = _like(piece.clone(), g if g is not None else p)
 
-def _sum_across(self: DistributedPipe, k: int, shared: Shared) -> None:
-    """Shared parameters whose holders' tp rows differ in width: each holder sends its
-    gradients to every other by the cross-mesh planner (landing split as they are split
-    here), brings what it receives into its own copy's layout, and sums every holder's
-    term in pp order, so every copy gets the same sum."""
-    me, pp = self.pp_rank, self.topology.pp
-    if me not in shared.holders:
-        return
-    wire, m = self._wire, self.schedule.num_microbatches
-    names = ", ".join(shared.names)
 
-    def channel(src: int, dst: int) -> Channel:  # numbered past the step's channels, the same everywhere
-        index = wire.num_channels + (k * pp + src) * pp + dst
-        rows = self.topology.row(src), self.topology.row(dst)
-        return Channel(index, "shared gradient", src, dst, rows[0][0], rows[1][0], names, rows[0], rows[1])
+class _SumAcross(Step):
+    """A tie whose holders' tp rows differ in width: each holder sends its gradients to every
+    other by the cross-mesh planner (landing split as they are split there), brings what it
+    receives into its own copy's layout, and sums every holder's term in pp order, so every
+    copy gets the same sum."""
 
-    own = tuple(_settled(p.grad, p) for p in shared.params)
-    terms: dict[int, tuple[Any, ...]] = {me: own}
-    try:
-        for h in shared.holders:
-            if h != me:
-                wire.send(channel(me, h), m, own)
-        for h in shared.holders:
-            if h != me:
-                received = wire.receive(channel(h, me), m, requires_grad=False)
-                terms[h] = tuple(_into(g, p) for g, p in zip(received, shared.params))
-        wire.finish()
-    except (RemoteFailure, comm.P2PError) as exc:
-        self._give_up(str(exc))
-        raise PipelineError(f"rank {self.rank}: summing the gradients of {names} with the stages on pp indices "
-                            f"{list(shared.holders)} that share them failed ({exc}): one of them probably "
-                            "failed") from exc
-    for j, p in enumerate(shared.params):
-        total = None
-        for h in shared.holders:  # in pp order on every holder: the same sum everywhere
-            g = terms[h][j]
-            total = g if total is None else total if g is None else total + g
-        p.grad = total
+    phase = "across"
 
-def reduce_gradients(self: DistributedPipe) -> None:
-    """Average this rank's gradients over dp: one all_reduce per bucket of about `bucket_cap_mb`
-    (under `shard_parameters`, data parallel has reduced them in backward already)."""
-    if self._dp_group is None or self._dp_size == 1 or self.shard_parameters:
-        return
-    params = [p for p in self.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
-    try:  # a tensor-parallel parameter's piece is averaged with the same piece of the other replicas
-        averaged = comm.all_reduce_coalesced([_piece(g) for g in grads], self._dp_group, self._dp_size, "avg",
-                                             templates=[_local(p) for p in params],
-                                             bucket_bytes=int(self.bucket_cap_mb * 2**20))
-    except RuntimeError as exc:
-        raise PipelineError(
-            f"rank {self.rank}: averaging gradients over {self.dp_dim!r} failed ({exc}): a rank of another "
-            "data-parallel replica probably failed in this step") from exc
-    for p, g, piece in zip(params, grads, averaged):
-        if piece is not None:
-            p.grad = _like(piece.clone(), g if g is not None else p)
+    def __init__(self, layout: PipeLayout, wire: Wire, guard: StepGuard, k: int, tie: Tie, params: Params) -> None:
+        self.layout, self.wire, self.guard, self.k, self.tie, self.params = layout, wire, guard, k, tie, params
 
+    def _channel(self, src: int, dst: int) -> Channel:
+        """Numbered past the step's channels, the same on every process."""
+        pp, topology = self.layout.topology.pp, self.layout.topology
+        index = self.wire.num_channels + (self.k * pp + src) * pp + dst
+        rows = topology.row(src), topology.row(dst)
+        return Channel(index, "shared gradient", src, dst, rows[0][0], rows[1][0], ", ".join(self.tie.names),
+                       rows[0], rows[1])
 
-def sum_cp_gradients(self: DistributedPipe) -> None:
-    """Sum this rank's gradients over cp (each cp rank computed its own tokens' share): one
-    all_reduce per bucket of about `bucket_cap_mb`."""
-    cp = self._cp
-    if cp is None or cp.size == 1:
-        return
-    params = [p for p in self.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
-    try:
-        summed = comm.all_reduce_coalesced([_piece(g) for g in grads], cp.group, cp.size, "sum",
-                                           templates=[_local(p) for p in params],
-                                           bucket_bytes=int(self.bucket_cap_mb * 2**20))
-    except RuntimeError as exc:
-        raise PipelineError(f"rank {self.rank}: summing gradients over {self.cp_dim!r} failed ({exc}): a rank of "
-                            "another cp piece probably failed in this step") from exc
-    for p, g, piece in zip(params, grads, summed):
-        if piece is not None:
-            p.grad = _like(piece.clone(), g if g is not None else p)
-
-
-def whole_loss(self: DistributedPipe, loss: Tensor) -> Tensor:
-    """The step's loss over the whole sequences: this cp rank's share summed with the others'."""
-    cp = self._cp
-    if cp is None or cp.size == 1:
-        return loss
-    record = comm.AllReduce(group=cp.group, size=cp.size, shape=tuple(loss.shape), dtype=loss.dtype, op="sum",
-                            mesh_dims=(cp.mesh_dim,))
-    return comm.run(record, loss.detach())
+    def finish(self) -> None:
+        me, holders, wire = self.layout.pp_rank, self.tie.holders, self.wire
+        m = self.layout.schedule.num_microbatches
+        params = [p for _, p in self.params()]
+        own = tuple(_settled(p.grad, p) for p in params)
+        terms: dict[int, tuple[Any, ...]] = {me: own}
+        try:
+            for h in holders:
+                if h != me:
+                    wire.send(self._channel(me, h), m, own)
+            for h in holders:
+                if h != me:
+                    received = wire.receive(self._channel(h, me), m, requires_grad=False)
+                    terms[h] = tuple(_into(g, p) for g, p in zip(received, params))
+            wire.finish()
+        except (RemoteFailure, comm.P2PError) as exc:
+            self.guard.give_up(str(exc))
+            raise PipelineError(f"rank {self.layout.rank}: summing the gradients of {', '.join(self.tie.names)} with "
+                                f"the stages on pp indices {list(holders)} that share them failed ({exc}): one of "
+                                "them probably failed") from exc
+        for j, p in enumerate(params):
+            total = None
+            for h in holders:  # in pp order on every holder: the same sum everywhere
+                g = terms[h][j]
+                total = g if total is None else total if g is None else total + g
+            p.grad = total
 
 
 def _settled(grad: Optional[Tensor], param: Tensor) -> Optional[Tensor]:
@@ -176,72 +253,3 @@ def _like(piece: Tensor, ref: Tensor) -> Tensor:
         return piece
     return from_local(piece, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride(),
                       shard_order=ref.shard_order)
-
-
-class Shared(NamedTuple):
-    holders: tuple[int, ...]  # the pp indices whose stages use these parameters
-    names: list[str]  # as "stage.parameter", for errors
-    group: Any  # this rank's pp slice's group of the holders, None when this rank holds none
-    params: list[nn.Parameter]  # this rank's (empty when it holds none)
-    across: bool = False  # the holders' tp rows differ in width: summed by crossing meshes
-
-
-def shared_across_ranks(partitions: Sequence[nn.Module], stage_rank: Callable[[int], int]
-                         ) -> list[tuple[tuple[int, ...], str, dict[int, str]]]:
-    """(pp indices, name, its name in each stage that uses it) of every trainable parameter
-    that stages on different pp ranks use (found by identity, so before any stage is sharded)."""
-    seen: dict[int, tuple[str, list[int], dict[int, str]]] = {}
-    for j, part in enumerate(partitions):
-        for name, p in part.named_parameters(remove_duplicate=False):
-            if p.requires_grad:
-                _, holders, where = seen.setdefault(id(p), (f"{j}.{name}", [], {}))
-                where.setdefault(j, name)
-                if stage_rank(j) not in holders:
-                    holders.append(stage_rank(j))
-    return [(tuple(sorted(holders)), name, where) for name, holders, where in seen.values() if len(holders) > 1]
-
-
-def check_shared(topology: Topology, shared: list[tuple[tuple[int, ...], str, dict[int, str]]],
-                  shard_parameters: bool) -> None:
-    """ValueError for a parameter shared by ZeRO-3 stages whose tp rows differ in width (their
-    copies are split over (dp, tp) differently; plain tp stages sum them across meshes)."""
-    for holders, name, _ in shared:
-        widths = [len(topology.grids[h][0]) for h in holders]
-        if len(set(widths)) > 1 and shard_parameters:
-            stage, inner = name.split(".", 1)
-            raise ValueError(f"parameter {inner} of stage {stage} is shared by stages on pp indices {list(holders)}, "
-                             f"whose tp rows have {widths} ranks: under shard_parameters=True a shared (tied) "
-                             "parameter needs stages of one tp width, so that each copy's piece sums with the same "
-                             "piece of the others; untie it, give those stages meshes of one tp size, or leave "
-                             "shard_parameters off")
-
-
-def shared_groups(topology: Topology, shared: list[tuple[tuple[int, ...], str, dict[int, str]]],
-                   local: nn.ModuleDict, device_type: str) -> list[Shared]:
-    """One process group per set of pp ranks sharing parameters, for every (dp, tp) coordinate
-    (every process creates them all, in the same order, as `new_group` requires)."""
-    by_holders: dict[tuple[int, ...], list[tuple[str, Optional[nn.Parameter]]]] = {}
-    for holders, name, where in shared:  # this rank's copy: by its name in a stage it holds
-        here = [local[str(j)].get_parameter(n) for j, n in where.items() if str(j) in local]
-        by_holders.setdefault(holders, []).append((name, here[0] if here else None))
-    backend = "nccl" if device_type == "cuda" else None
-    out = []
-    for holders, entries in by_holders.items():
-        widths = [len(topology.grids[h][0]) for h in holders]
-        params = [p for _, p in entries if p is not None]
-        if len(set(widths)) > 1:  # no piece lines up with another: summed across meshes, no group
-            out.append(Shared(holders, [name for name, _ in entries], None, params, True))
-            continue
-        group = None
-        rows = [[grid[d][t] for grid in (topology.grids[h] for h in holders)]
-                for d in range(len(topology.grids[0])) for t in range(widths[0])]
-        for ranks in rows:
-            if device_type == "meta":  # a dry run's pipe: the holders' label, no process group
-                if simulated_rank() in ranks:
-                    group = DryGroup(((len(ranks),), ("pp",)), (0,), len(ranks))
-                continue
-            made = dist.new_group(ranks, timeout=collective_timeout(), backend=backend)
-            if dist.get_rank() in ranks:
-                group = made
-        out.append(Shared(holders, [name for name, _ in entries], group if params else None, params))
-    return out

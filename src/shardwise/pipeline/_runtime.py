@@ -39,6 +39,9 @@ gradients (one all_reduce per set of ranks, in a group of just those ranks), so 
 copy gets the whole gradient and steps alike, as the one parameter would. Copies on stages
 of different widths are split differently, so their holders swap gradients across meshes
 instead and each sums every holder's term in pp order (ZeRO-3 copies must be of one width).
+These sums (dp, tied stages, cp) are the registered end-of-backward reducers of their
+parameters (`_gradients`), finished once after the schedule: `shardwise.debug.gradient_reducers`
+names them, and a parameter that already has a reducer at their level is refused.
 
 Failures: a stage that raises tells every stage waiting on it (see `_wire`), which tell
 theirs, and all stop; at the end of every step the pp ranks compare outcomes (one small
@@ -48,48 +51,50 @@ stage, rank, micro-batch, what they waited for and where the failure began. A de
 process is noticed when its connection closes or after `SHARDWISE_COLLECTIVE_TIMEOUT`.
 After a failure the pipe refuses further steps (its channels may hold stale messages).
 
-Point-to-point messages use a process group of their own per pp slice, created by every
-process like a mesh's groups; `close()` releases it.
+Point-to-point messages use a process group of their own per pp slice, made by every
+process through `shardwise._groups`; `close()` gives it back and unregisters the reducers.
+
+The pipe itself is thin: its arguments become a frozen `PipeLayout` (`_layout`: validated
+once), its stages are placed and sharded, and a `StepContext` (`_context`: the stages, the
+process groups, the wire, the step guard, the gradient reducers) is what the step (`_step`,
+`_execute`) and its replay (`_replay`) work with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import nullcontext
-from typing import Any, Optional
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, Optional, TypeVar, overload
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import _comm as comm
-from .._describe import describe
-from .._groups import POINT_TO_POINT
-from .._mesh import DeviceMesh, collective_timeout
-from .._mesh_dry import DryGroup, DryMesh, as_device_mesh
+from .._mesh import DeviceMesh
 from .._source_names import carry_source
-from .._tensor import DTensor
-from .._tensor._compile_comm import current_trace
-from ..parallel._context_parallel import Attention, cp_group, make_cp_attention
-from ..parallel._cp_attention import CpAttention
-from ..parallel._data_parallel import data_parallel
-from ._arguments import check_arguments, check_staged
-from ._gradients import (check_shared, reduce_gradients, shared_across_ranks, shared_groups, sum_cp_gradients,
-                         sum_shared_gradients, whole_loss)
-from ._microbatch import Batch, BatchValue, gather
-from ._replay import ReplayedStep, traced_step
-from ._schedule import Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from ._pipe import as_given_by_torchgpipe
-from ._stage import PipelineStage, split_module
-from ._step import StepRun
-from ._tensor_parallel import check_tp_plan, shard_stage
-from ._topology import stage_topology, uniform_topology
-from ._wire import ChannelPlan, PipelineError, RemoteFailure, Wire
-from .skip._routes import inspect_skip_layout
+from ._context import place_stages, step_context
+from ._execute import execute
+from ._layout import PipeLayout, plan_pipe
+from ._microbatch import BatchValue, gather
+from ._stage import PipelineStage
+from ._step import LossFn, StepRun
+from ._wire import PipelineError
 
 __all__ = ["DistributedPipe", "PipelineError"]
 
-LossFn = Callable[..., Tensor]
+T = TypeVar("T")
+
+
+class _FromLayout(Generic[T]):
+    """A read-only attribute of the pipe that is a value of its layout (the names it has always had)."""
+
+    def __init__(self, get: Callable[[PipeLayout], T]) -> None:
+        self.get = get
+
+    @overload
+    def __get__(self, pipe: None, owner: Any) -> _FromLayout[T]: ...
+    @overload
+    def __get__(self, pipe: DistributedPipe, owner: Any) -> T: ...
+    def __get__(self, pipe: Optional[DistributedPipe], owner: Any) -> T | _FromLayout[T]:
+        return self if pipe is None else self.get(pipe.layout)
 
 
 class DistributedPipe(nn.Module):
@@ -127,7 +132,9 @@ class DistributedPipe(nn.Module):
         bucket_cap_mb: size of the gradient buckets averaged over dp.
 
     `parameters()` and `partitions` hold this rank's stages only (`partitions["2"]` is stage
-    2), so an optimizer built on `pipe.parameters()` steps what this rank trains. On two
+    2), so an optimizer built on `pipe.parameters()` steps what this rank trains. `layout` is
+    the pipe's frozen `PipeLayout` (its schedule, topology, channels and groups; `schedule`,
+    `topology`, `pp_rank` and the other attributes named like arguments read it). On two
     processes (``torchrun --nproc-per-node=2 train.py``)::
 
         mesh = shardwise.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
@@ -141,6 +148,21 @@ class DistributedPipe(nn.Module):
     """
 
     partitions: nn.ModuleDict
+    stages: dict[int, PipelineStage]  # this rank's stages by index
+
+    # the layout's values, under the names the pipe's attributes have always had
+    mesh = _FromLayout(lambda lay: lay.mesh)
+    pp_dim, dp_dim = _FromLayout(lambda lay: lay.pp_dim), _FromLayout(lambda lay: lay.dp_dim)
+    tp_dim, cp_dim = _FromLayout(lambda lay: lay.tp_dim), _FromLayout(lambda lay: lay.cp_dim)
+    tp_mesh, topology = _FromLayout(lambda lay: lay.tp_mesh), _FromLayout(lambda lay: lay.topology)
+    schedule, plan = _FromLayout(lambda lay: lay.schedule), _FromLayout(lambda lay: lay.channels)
+    balance = _FromLayout(lambda lay: list(lay.balance))
+    num_stages, chunks = _FromLayout(lambda lay: lay.num_stages), _FromLayout(lambda lay: lay.chunks)
+    checkpoint, device = _FromLayout(lambda lay: lay.checkpoint), _FromLayout(lambda lay: lay.device)
+    rank, pp_rank = _FromLayout(lambda lay: lay.rank), _FromLayout(lambda lay: lay.pp_rank)
+    skip_routes = _FromLayout(lambda lay: lay.skip_routes)
+    shard_parameters = _FromLayout(lambda lay: lay.shard_parameters)
+    bucket_cap_mb = _FromLayout(lambda lay: lay.bucket_cap_mb)
 
     def __init__(self, module: nn.Sequential, balance: Sequence[int], mesh: DeviceMesh | Sequence[DeviceMesh], *,
                  pp_dim: str = "pp",
@@ -150,81 +172,18 @@ class DistributedPipe(nn.Module):
                  chunks: int = 1, checkpoint: str = "except_last", loss_fn: Optional[LossFn] = None,
                  device: Optional[torch.device | str] = None, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
-        chunks, checkpoint = as_given_by_torchgpipe(chunks, checkpoint)
-        staged = isinstance(mesh, (list, tuple))
-        mesh = mesh if staged else as_device_mesh(mesh)  # an AbstractMesh: a dry run's pipe
-        if not isinstance(mesh, DeviceMesh) and not staged:
-            raise TypeError(f"DistributedPipe runs over a DeviceMesh with a pp dim, or a list of one DeviceMesh per "
-                            f"stage, got {describe(mesh)}: build one with shardwise.init_device_mesh(..., "
-                            "mesh_dim_names=('pp',))")
-        if isinstance(balance, (str, bytes)) or not isinstance(balance, Iterable):
-            raise TypeError(f"balance must be a list of layers per stage, got {describe(balance)}: e.g. [2, 2]")
-        balance = list(balance)
-        if isinstance(mesh, DeviceMesh):
-            dp_dim, tp_dim, cp_dim = check_arguments(mesh, pp_dim, dp_dim, tp_dim, cp_dim, tp_plan, schedule,
-                                                      virtual_stages, len(balance), chunks)
-            topology, stage_mesh = uniform_topology(mesh, pp_dim, dp_dim, tp_dim, cp_dim), mesh
-            tp_mesh = mesh[tp_dim] if tp_dim is not None else None
-            zero_mesh = mesh[tuple(d for d in (dp_dim, tp_dim) if d is not None)] if dp_dim is not None else None
-        else:  # one mesh per stage: (tp,) or (dp, tp), tp sizes free
-            if cp_dim is not None:
-                raise ValueError(f"cp_dim={cp_dim!r} needs one mesh with pp and cp dims (e.g. ('pp', 'cp') or "
-                                 "('pp', 'dp', 'cp', 'tp')), not a list of stage meshes")
-            topology, stage_mesh, dp_dim, tp_dim = stage_topology(mesh, dp_dim, tp_dim)
-            check_staged(topology, tp_plan, schedule, virtual_stages, len(balance), chunks)
-            tp_mesh = stage_mesh[tp_dim] if stage_mesh.ndim == 2 else stage_mesh
-            zero_mesh = stage_mesh
-        if shard_parameters and dp_dim is None:
-            raise ValueError("shard_parameters=True splits parameters over the data-parallel dim, but the mesh has "
-                             "none: build it with a 'dp' dim (e.g. ('pp', 'dp', 'tp'), or ('dp', 'tp') stage meshes) "
-                             "or pass dp_dim=")
-        partitions = split_module(module, balance, chunks=chunks, checkpoint=checkpoint, allow_shared=True)
-        check_tp_plan(tp_plan, partitions)
-        pp = topology.pp
-        self.mesh, self.pp_dim, self.dp_dim, self.topology = mesh, pp_dim, dp_dim, topology
-        self.chunks, self.checkpoint, self.loss_fn, self.balance = chunks, checkpoint, loss_fn, balance
-        self.bucket_cap_mb = bucket_cap_mb
-        self.schedule: Schedule = (ScheduleGPipe(len(balance), chunks) if schedule == "gpipe" else
-                                   Schedule1F1B(len(balance), chunks) if schedule == "1f1b" else
-                                   ScheduleInterleaved1F1B(pp, len(balance) // pp, chunks))
-        self.device = torch.device(device) if device is not None else _default_device(stage_mesh)
-        self.rank = stage_mesh.get_rank()
-        self.pp_rank = topology.pp_rank
-        self.skip_routes = inspect_skip_layout(partitions)  # every partition's declarations, once
-        local = self.schedule.rank_stages(self.pp_rank)
-        shared = shared_across_ranks(partitions, self.schedule.stage_rank)  # before sharding makes new objects
-        check_shared(topology, shared, shard_parameters)
-        # a stage built on meta stays there (split and sharded as it is) until `pipe.to_empty(device=...)`
-        mine = {j: partitions[j] if _on_meta(partitions[j]) else partitions[j].to(self.device) for j in local}
-        self.tp_dim, self.tp_mesh = tp_dim, tp_mesh
-        for part in mine.values():  # each stage's layers sharded over its tp sub-mesh (and over dp: ZeRO-3)
-            shard_stage(part, self.tp_mesh, tp_plan)
-            if shard_parameters:
-                assert zero_mesh is not None  # a dp dim was required above
-                data_parallel(part, zero_mesh, dp_dim=dp_dim, shard_parameters=True, bucket_cap_mb=bucket_cap_mb)
-        self.shard_parameters = shard_parameters
+        layout, partitions = plan_pipe(module, balance, mesh, pp_dim=pp_dim, dp_dim=dp_dim, tp_dim=tp_dim,
+                                       cp_dim=cp_dim, tp_plan=tp_plan, shard_parameters=shard_parameters,
+                                       schedule=schedule, virtual_stages=virtual_stages, chunks=chunks,
+                                       checkpoint=checkpoint, device=device, bucket_cap_mb=bucket_cap_mb)
+        self.layout = layout
+        self.loss_fn = loss_fn
+        mine = place_stages(layout, partitions, tp_plan)
+        del partitions  # the other ranks' layers are not kept here
         self.partitions = nn.ModuleDict({str(j): part for j, part in mine.items()})
         carry_source(module, self, {f"partitions.{j}.": "" for j in mine})  # the names of hf_sequential's model
-        self.stages = {j: PipelineStage(part, j, len(balance), self.rank) for j, part in mine.items()}
-        self.num_stages = len(balance)
-        del partitions, mine  # the other ranks' layers are not kept here
-
-        where = [self.schedule.stage_rank(s) for s in range(self.num_stages)]
-        self.plan = ChannelPlan(self.num_stages, self.skip_routes, [topology.partner(p) for p in where],
-                                rows=[topology.row(p) for p in where])
-        if isinstance(mesh, DeviceMesh):  # messages stay within this rank's pp slice
-            self._group, self._group_size = _p2p_group(mesh, mesh.mesh_dim_index(pp_dim)), pp
-        else:  # stages of different widths: a crossing may reach any rank of the next stage
-            self._group, self._group_size = _world_group(stage_mesh.device_type), dist.get_world_size()
-        self._wire = Wire(self._group, self.device, len(self.plan.channels), tp_mesh=self.tp_mesh)
-        self._shared = shared_groups(topology, shared, self.partitions, stage_mesh.device_type)
-        self._dp_group = stage_mesh.get_group(dp_dim) if dp_dim is not None else None
-        self._dp_size = stage_mesh.size(dp_dim) if dp_dim is not None else 1
-        self.cp_dim = cp_dim
-        self._cp = cp_group(stage_mesh[cp_dim], "DistributedPipe") if cp_dim is not None else None
-        self._broken: Optional[str] = None
-        self._steps = 0  # steps begun, named in errors ("... of micro-batch 2 of step 3")
-        self._abandoned: list[comm.P2PWork] = []  # sends no one will receive; their buffers must outlive them
+        self._context = step_context(layout, self.partitions)
+        self.stages = self._context.stages
 
     # -- public -------------------------------------------------------------------------------
 
@@ -235,198 +194,30 @@ class DistributedPipe(nn.Module):
         if self.loss_fn is None:
             raise ValueError("step() trains, so it needs loss_fn: pass DistributedPipe(..., loss_fn=...) "
                              "or call the pipe (forward only) for outputs")
-        run = StepRun(self, train=True)
-        self._execute(run, self.schedule.rank_order(self.pp_rank), input, target)
-        sum_shared_gradients(self)
-        sum_cp_gradients(self)
-        reduce_gradients(self)
-        if not self._holds(self.num_stages - 1):
-            return None
-        loss = run.loss.full_tensor() if isinstance(run.loss, DTensor) else run.loss
-        return whole_loss(self, loss) if loss is not None else None
+        ctx, layout = self._context, self.layout
+        run = StepRun(ctx, train=True, training=self.training, loss_fn=self.loss_fn)
+        execute(ctx, run, layout.schedule.rank_order(layout.pp_rank), input, target)
+        ctx.gradients.finish()  # the registered reducers' sums: over dp, then tied stages and cp
+        return run.whole_loss()
 
     def forward(self, input: Optional[BatchValue] = None) -> Optional[BatchValue]:
         """Forward only, without autograd: the joined outputs on the last stage's rank, `None`
         elsewhere (under cp_dim, each cp rank's tokens of them)."""
-        run = StepRun(self, train=False)
+        ctx, layout = self._context, self.layout
+        run = StepRun(ctx, train=False, training=self.training)
         with torch.no_grad():
-            order = [a for a in self.schedule.rank_order(self.pp_rank) if a.kind == "F"]
-            self._execute(run, order, input, None)
-        if not self._holds(self.num_stages - 1):
+            order = [a for a in layout.schedule.rank_order(layout.pp_rank) if a.kind == "F"]
+            execute(ctx, run, order, input, None)
+        if not layout.holds(layout.num_stages - 1):
             return None
-        return gather([run.outputs[i] for i in range(self.schedule.num_microbatches)])
+        return gather([run.outputs[i] for i in range(layout.schedule.num_microbatches)])
 
     def close(self) -> None:
-        """Release the point-to-point process group (collective: every process calls it)."""
-        if self._group is not None:
-            if type(self._group) is not DryGroup:
-                dist.destroy_process_group(self._group)
-            self._group = None
-        for shared in self._shared:
-            if shared.group is not None and type(shared.group) is not DryGroup:
-                dist.destroy_process_group(shared.group)
-        self._shared = []
+        """Release the pipe's process groups and its gradient reducers (collective: every process
+        calls it)."""
+        self._context.close()
 
     def extra_repr(self) -> str:
-        return (f"schedule={self.schedule!r}, balance={self.balance}, pp_rank={self.pp_rank}, "
-                f"stages={sorted(self.stages)}, checkpoint={self.checkpoint!r}")
-
-    # -- running ------------------------------------------------------------------------------
-
-    def _holds(self, stage: int) -> bool:
-        return stage in self.stages
-
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise RuntimeError(f"this DistributedPipe failed in an earlier step ({self._broken}); its channels "
-                               "may hold undelivered messages: build a new pipe (after a dead process, new "
-                               "process groups too)")
-
-    def _execute(self, run: StepRun, order: list[Action], input: Any, target: Any) -> None:
-        self._check_usable()
-        k = 0
-        self._steps += 1
-        failure: Optional[tuple[BaseException, RemoteFailure]] = None
-        trace = current_trace()
-        replayed = traced_step(self, trace, order)
-        attention = self._cp_attention(input) if self._cp is not None else None
-        try:
-            with Attention(attention) if attention is not None else nullcontext():
-                run.prepare(input, target)
-                for k, action in enumerate(order):
-                    run.current = action
-                    if replayed is not None:
-                        replayed.k = k
-                    run.do(action)
-            run.current = None
-        except BaseException as exc:
-            failure = self._notify(exc, order[k:], run)
-        finally:
-            self._wire.traced = None
-        if failure is None and replayed is not None and trace is not None:
-            trace.host(replayed.conclude, [])  # the end-of-step check, at every replay too
-        else:
-            self._conclude(failure)
-
-    def _cp_attention(self, input: Any) -> CpAttention:
-        """The step's context-parallel attention: the first stage's ranks tell the others the
-        sequence length (one small all_gather over the pp ranks)."""
-        assert self._cp is not None
-        length = -1
-        if self._holds(0) and input is not None:
-            first = Batch(input).tensors[0]
-            length = first.size(1) if first.dim() >= 2 else -1
-        rows = comm.all_gather_ints([length], self._group, self._group_size) if self._group_size > 1 else [[length]]
-        lengths = {n for (n,) in rows if n >= 0}
-        if len(lengths) != 1:
-            raise ValueError(f"DistributedPipe(cp_dim={self.cp_dim!r}): the first stage's input must be (batch, seq, "
-                             f"...) whole sequences, one length; the first stage's ranks gave lengths "
-                             f"{sorted(n for (n,) in rows if n >= 0) or 'none'}")
-        return make_cp_attention(lengths.pop(), self._cp)
-
-    def _notify(self, exc: BaseException, remaining: list[Action],
-                run: StepRun | ReplayedStep) -> tuple[BaseException, RemoteFailure]:
-        """Tell every stage this rank still owes a message that the step failed; return the error to raise here."""
-        action = run.current
-        where = (f"before its first micro-batch of step {self._steps}" if action is None else
-                 f"in the {'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.microbatch} of "
-                 f"step {self._steps}")
-        stage = action.stage if action is not None else min(self.stages)
-        if isinstance(exc, RemoteFailure):
-            relay = exc
-            local: BaseException = PipelineError(f"stage {stage} on rank {self.rank} stopped {where} {exc.doing}: "
-                                                 f"{exc.cause}")
-        else:
-            relay = RemoteFailure(f"stage {stage} on rank {self.rank} raised {type(exc).__name__}: {exc} ({where})",
-                                  False, stage, self.rank)
-            local = exc
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised by stage {stage} on rank {self.rank} {where}; the other stages were told "
-                             "and stop with PipelineError)")
-        for a in remaining:
-            for channel in self.plan.outgoing(a):
-                if (channel.index, a.microbatch) not in run.sent:
-                    run.sent.add((channel.index, a.microbatch))
-                    try:
-                        self._wire.send_failure(channel, a.microbatch, relay)
-                    except RemoteFailure:  # that stage's process is gone; it needs no news
-                        pass
-        return local, relay
-
-    def _conclude(self, failure: Optional[tuple[BaseException, RemoteFailure]]) -> None:
-        """Agree with the other pp ranks on the step's outcome; wait for the sends, or raise."""
-        if failure is not None and failure[1].died:  # a process may be gone: no collective can complete
-            self._give_up(failure[1].cause)
-            raise failure[0]
-        me = [0, -1, -1] if failure is None else [1, failure[1].origin_stage, failure[1].origin_rank]
-        try:
-            outcomes = comm.all_gather_ints(me, self._group, self._group_size) if self._group_size > 1 else [me]
-        except RuntimeError as exc:
-            self._give_up(str(exc))
-            if failure is not None:
-                raise failure[0]
-            raise PipelineError(
-                f"stages {sorted(self.stages)} on rank {self.rank} finished their part of the step, but the check "
-                f"of the step's outcome over the pp ranks failed ({exc}): another stage's process has probably "
-                "died or is stuck") from exc
-        if failure is not None:
-            self._give_up(failure[1].cause)
-            raise failure[0]
-        failed = [(stage, rank) for code, stage, rank in outcomes if code]
-        if failed:
-            origin = ", ".join(sorted({f"stage {s} on rank {r}" for s, r in failed}))
-            self._give_up(f"failure at {origin}")
-            raise PipelineError(f"stages {sorted(self.stages)} on rank {self.rank} finished their part of the step, "
-                                f"but it failed at {origin} (see that rank's error); the gradients of this step "
-                                "are partial")
-        try:
-            self._wire.finish()
-        except comm.P2PError as exc:
-            self._give_up(str(exc))
-            raise PipelineError(f"rank {self.rank}: a message of the step was never received: {exc}") from exc
-
-    def _give_up(self, reason: str) -> None:
-        self._broken = reason
-        self._abandoned += self._wire.abandon()
-
-def _on_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-
-
-def _default_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
-def _world_group(device_type: str) -> Any:
-    """A new process group of every process, for a pipe whose crossings may reach any rank."""
-    group = dist.new_group(list(range(dist.get_world_size())), timeout=collective_timeout(),
-                           backend="nccl" if device_type == "cuda" else None)
-    comm.all_gather_ints([0], group, dist.get_world_size())  # every member connected before any send
-    POINT_TO_POINT.add(group.group_name)  # its ranks' message counts differ by nature (crossings fan out)
-    return group
-
-
-def _p2p_group(mesh: DeviceMesh, pp_index: int) -> Any:
-    """A new process group for this rank's pp slice (every process creates every slice's, in order)."""
-    pp = mesh.shape[pp_index]
-    if pp == 1:
-        return None
-    if isinstance(mesh, DryMesh):  # a dry run: the slice's label, no process group
-        dry = mesh.get_group(pp_index)
-        comm.all_gather_ints([0], dry, pp)
-        return dry
-    rows = mesh.mesh.movedim(pp_index, -1).reshape(-1, pp).tolist()
-    mine = None
-    backend = "nccl" if mesh.device_type == "cuda" else None
-    for row in rows:
-        group = dist.new_group(row, timeout=collective_timeout(), backend=backend)
-        if dist.get_rank() in row:
-            mine = group
-    # A member may return from new_group before its peers have finished connecting; one exchange
-    # makes sure they have, so that close() right away cannot cut a peer's connection short.
-    comm.all_gather_ints([0], mine, pp)
-    return mine
-
-
+        layout = self.layout
+        return (f"schedule={layout.schedule!r}, balance={list(layout.balance)}, pp_rank={layout.pp_rank}, "
+                f"stages={sorted(self.stages)}, checkpoint={layout.checkpoint!r}")

@@ -4,42 +4,49 @@
 stage) and targets (last stage), one skip tracker per micro-batch, the received inputs
 and the stage outputs whose backward is still to come. `do(action)` runs one forward or
 backward of the schedule, receiving what it needs and posting what it owes through the
-pipe's `Wire`; the pipe runs the actions in the schedule's order and handles failures.
+context's `Wire`; `_execute` runs the actions in the schedule's order and handles failures.
+Under a cp dim, `cp_attention` makes the step's context-parallel attention first.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from .. import _comm as comm
 from .._describe import describe
-from ..parallel._context_parallel import current_cp_attention
+from .._tensor import DTensor
+from ..parallel._context_parallel import current_cp_attention, make_cp_attention
 from ..parallel._cp_attention import CpAttention
 from ..parallel._data_parallel import no_sync
+from ._channels import Channel
+from ._context import StepContext
 from ._microbatch import Batch, BatchValue, check, scatter
 from ._schedule import Action
 from ._stage import SkipTrackerThroughRanks
 from ._timeline import current_timeline
-from ._wire import Channel
 
-if TYPE_CHECKING:
-    from ._runtime import DistributedPipe
+__all__ = ["LossFn", "StepRun", "cp_attention"]
 
-__all__ = ["StepRun"]
+LossFn = Callable[..., Tensor]
 
 _IGNORE = -100  # the label a mean does not count (torch's and transformers' ignore_index)
 
 
 class StepRun:
-    """One step's state on one rank: micro-batches, per-micro-batch trackers, what backward needs."""
+    """One step's state on one rank: micro-batches, per-micro-batch trackers, what backward needs.
+    `train`: forward and backward (with `loss_fn`), else forward only; `training`: the pipe's
+    mode (checkpointing is for training only)."""
 
-    def __init__(self, pipe: DistributedPipe, *, train: bool) -> None:
-        self.pipe, self.train = pipe, train
-        m = pipe.schedule.num_microbatches
-        self.trackers = [SkipTrackerThroughRanks(pipe.skip_routes) for _ in range(m)]
+    def __init__(self, ctx: StepContext, *, train: bool, training: bool, loss_fn: Optional[LossFn] = None) -> None:
+        layout = ctx.layout
+        self.ctx, self.layout, self.train, self.loss_fn = ctx, layout, train, loss_fn
+        m = layout.schedule.num_microbatches
+        self.trackers = [SkipTrackerThroughRanks(layout.skip_routes) for _ in range(m)]
         self.batches: list[Batch] = []
         self.targets: list[Any] = []
         self.weights: list[float] = [1.0 / m] * m
@@ -51,25 +58,26 @@ class StepRun:
         self.cp: Optional[CpAttention] = None
         self.counts: list[int] = []  # under cp: each micro-batch's counted target tokens, whole
         self.current: Optional[Action] = None
-        order = pipe.schedule.rank_order(pipe.pp_rank)
+        order = layout.schedule.rank_order(layout.pp_rank)
         self.last_backward = {a.stage: (a.microbatch, a.stage) for a in order if a.kind == "B"}  # the last wins
-        stop = {"always": m, "except_last": m - 1, "never": 0}[pipe.checkpoint]
-        self.checkpoint_stop = stop if train and pipe.training else 0
+        stop = {"always": m, "except_last": m - 1, "never": 0}[layout.checkpoint]
+        self.checkpoint_stop = stop if train and training else 0
 
     def prepare(self, input: Any, target: Any) -> None:
-        pipe, m = self.pipe, self.pipe.schedule.num_microbatches
+        layout = self.layout
+        m = layout.schedule.num_microbatches
         self.cp = cp = current_cp_attention()  # under cp_dim: this rank runs its piece of every sequence
-        if pipe._holds(0):
+        if layout.holds(0):
             if input is None:
-                raise ValueError(f"rank {pipe.rank} holds the first stage, so it needs the input: pass it to "
+                raise ValueError(f"rank {layout.rank} holds the first stage, so it needs the input: pass it to "
                                  "step()/the pipe on this rank")
             check(input)
-            self.batches = _split(_to(input, pipe.device), m, "input")
+            self.batches = _split(_to(input, layout.device), m, "input")
             if cp is not None:
                 self.batches = [Batch(_cut(b.value, cp)) for b in self.batches]
-        if self.train and pipe._holds(pipe.num_stages - 1) and target is not None:
-            target = _to(target, pipe.device)
-            if cp is not None and getattr(pipe.loss_fn, "shifts_labels", False):
+        if self.train and layout.holds(layout.num_stages - 1) and target is not None:
+            target = _to(target, layout.device)
+            if cp is not None and getattr(self.loss_fn, "shifts_labels", False):
                 target = _shift(target)  # next-token labels over the whole sequence, before it is cut
             self.targets = [b.value for b in _split(target, m, "target")]
             rows = [Batch(t).tensors[0].shape[0] for t in self.targets]
@@ -80,16 +88,16 @@ class StepRun:
 
     def do(self, a: Action) -> None:
         timeline = current_timeline()
-        span = timeline.span(self.pipe.rank, a.stage, a.microbatch, a.kind) if timeline else nullcontext()
+        span = timeline.span(self.layout.rank, a.stage, a.microbatch, a.kind) if timeline else nullcontext()
         with span:
             (self.forward if a.kind == "F" else self.backward)(a.microbatch, a.stage)
 
     def _send(self, channel: Channel, i: int, value: Any) -> None:
-        self.pipe._wire.send(channel, i, value)
+        self.ctx.wire.send(channel, i, value)
         self.sent.add((channel.index, i))
 
     def forward(self, i: int, s: int) -> None:
-        pipe, plan, wire, tracker = self.pipe, self.pipe.plan, self.pipe._wire, self.trackers[i]
+        layout, plan, wire, tracker = self.layout, self.layout.channels, self.ctx.wire, self.trackers[i]
         if s == 0:
             value = self.batches[i].value
         else:
@@ -98,17 +106,17 @@ class StepRun:
         for key in plan.popped_at[s]:
             skip = wire.receive(plan.skip[key], i, requires_grad=self.train)
             tracker.deliver(key, skip if isinstance(skip, Tensor) else None)
-        out = pipe.stages[s].run(value, tracker, checkpoint=i < self.checkpoint_stop)
+        out = self.ctx.stages[s].run(value, tracker, checkpoint=i < self.checkpoint_stop)
         stashed = dict(tracker.take_outbox())  # the layers made sure every declared stash happened
         for key in plan.stashed_at[s]:  # in channel order, the order the popping side receives in
             self._send(plan.skip[key], i, stashed[key])
-        if s < pipe.num_stages - 1:
+        if s < layout.num_stages - 1:
             self._send(plan.activation[s], i, out.value)
             if self.train:
                 self.kept[(i, s)] = out
         elif self.train:
-            assert pipe.loss_fn is not None  # step() checked
-            loss = pipe.loss_fn(out.value, self.targets[i]) if self.targets else pipe.loss_fn(out.value)
+            assert self.loss_fn is not None  # step() checked
+            loss = self.loss_fn(out.value, self.targets[i]) if self.targets else self.loss_fn(out.value)
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 raise TypeError(f"loss_fn must return a one-element tensor (the micro-batch's mean loss), got "
                                 f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, Tensor) else ''}")
@@ -133,16 +141,16 @@ class StepRun:
         return loss * (mine / whole)
 
     def backward(self, i: int, s: int) -> None:
-        pipe, plan, wire, tracker = self.pipe, self.pipe.plan, self.pipe._wire, self.trackers[i]
+        layout, plan, wire, tracker = self.layout, self.layout.channels, self.ctx.wire, self.trackers[i]
         out = self.kept.pop((i, s))
         grads: tuple[Any, ...] = ()
-        if s < pipe.num_stages - 1:
+        if s < layout.num_stages - 1:
             received = wire.receive(plan.gradient[s + 1], i, requires_grad=False)
             grads = received if isinstance(received, tuple) else (received,)
         for key in plan.stashed_at[s]:
             g = wire.receive(plan.skip_grad[key], i, requires_grad=False)
             tracker.put_grad(key, g if isinstance(g, Tensor) else None)
-        if s == pipe.num_stages - 1:
+        if s == layout.num_stages - 1:
             roots: list[tuple[Tensor, Optional[Tensor]]] = [(out.tensor, None)] if out.tensor.requires_grad else []
         else:  # an output the next stage did not use gets a zero gradient (skip gradients may still flow)
             roots = [(t, g if g is not None else torch.zeros_like(t))
@@ -150,8 +158,8 @@ class StepRun:
         if roots:
             # ZeRO-3 stages: replicated gradients stay unreduced until the stage's last backward
             # of the step, so they are averaged over dp once per step, not once per micro-batch
-            defer = pipe.shard_parameters and (i, s) != self.last_backward.get(s)
-            with no_sync(pipe.partitions[str(s)]) if defer else nullcontext():
+            defer = layout.shard_parameters and (i, s) != self.last_backward.get(s)
+            with no_sync(self.ctx.partitions[str(s)]) if defer else nullcontext():
                 torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
         del out, roots
         tracker.release(plan.stashed_at[s])
@@ -160,6 +168,37 @@ class StepRun:
             self._send(plan.gradient[s], i, tuple(t.grad if t.requires_grad else None for t in leaves))
         for key in plan.popped_at[s]:
             self._send(plan.skip_grad[key], i, tracker.popped_grad(key))
+
+    def whole_loss(self) -> Optional[Tensor]:
+        """The step's loss on the last stage's rank (None elsewhere): under cp, this rank's share
+        summed with the other cp ranks'."""
+        if self.loss is None or not self.layout.holds(self.layout.num_stages - 1):
+            return None
+        loss = self.loss.full_tensor() if isinstance(self.loss, DTensor) else self.loss
+        cp = self.ctx.groups.cp
+        if cp is None or cp.size == 1:
+            return loss
+        record = comm.AllReduce(group=cp.group, size=cp.size, shape=tuple(loss.shape), dtype=loss.dtype, op="sum",
+                                mesh_dims=(cp.mesh_dim,))
+        return comm.run(record, loss.detach())
+
+
+def cp_attention(ctx: StepContext, input: Any) -> CpAttention:
+    """The step's context-parallel attention: the first stage's ranks tell the others the
+    sequence length (one small all_gather over the pp ranks)."""
+    layout, groups = ctx.layout, ctx.groups
+    assert groups.cp is not None
+    length = -1
+    if layout.holds(0) and input is not None:
+        first = Batch(input).tensors[0]
+        length = first.size(1) if first.dim() >= 2 else -1
+    rows = comm.all_gather_ints([length], groups.p2p, groups.p2p_size) if groups.p2p_size > 1 else [[length]]
+    lengths = {n for (n,) in rows if n >= 0}
+    if len(lengths) != 1:
+        raise ValueError(f"DistributedPipe(cp_dim={layout.cp_dim!r}): the first stage's input must be (batch, seq, "
+                         f"...) whole sequences, one length; the first stage's ranks gave lengths "
+                         f"{sorted(n for (n,) in rows if n >= 0) or 'none'}")
+    return make_cp_attention(lengths.pop(), groups.cp)
 
 
 def _cut(value: Any, cp: CpAttention) -> Any:

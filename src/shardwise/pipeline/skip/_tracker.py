@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 from torch import Tensor
 
@@ -36,9 +36,6 @@ from .._microbatch import Batch
 from .._stream import AbstractStream
 from ._namespace import Namespace
 from ._portal import Portal
-
-if TYPE_CHECKING:
-    from ._routes import SkipRoutes
 
 __all__ = ["SkipTracker", "SkipTrackerThroughPortals", "current_skip_tracker", "use_skip_tracker"]
 
@@ -65,10 +62,17 @@ class SkipTracker:
         )
 
 
+class _Routes(Protocol):
+    """What a tracker asks of a `SkipRoutes` (`_routes` imports this module through
+    `_skippable`, so this one names only the question it asks: no import circle)."""
+
+    def requires_copy(self, ns: Optional[Namespace], name: str) -> bool: ...
+
+
 class SkipTrackerThroughPortals(SkipTracker):
     """Routes skips that cross partitions of `skip_routes` through portals (one micro-batch)."""
 
-    def __init__(self, skip_routes: SkipRoutes) -> None:
+    def __init__(self, skip_routes: _Routes) -> None:
         super().__init__()
         self.skip_routes = skip_routes
         self.portals: dict[SkipKey, Portal] = {}
