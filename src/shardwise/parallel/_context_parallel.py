@@ -28,54 +28,64 @@ Tokens are split head-tail by default (`SequenceLayout`); `set_load_balance(Fals
 contiguous pieces. `set_rotate_method` picks how K/V reach the queries: `"allgather"`
 (default), `"ring"` (point-to-point blocks merged by log-sum-exp), `"alltoall"` (the same
 ring, each hop an all_to_all, as torch's) or `"ulysses"` (sequence <-> heads).
+
+The block is one session object (`_cp_session.CpSession`): it owns the attention, the
+buffers it cut and the state of the attention layers running, and leaves nothing behind.
+The one global of this module is `_SETTINGS`, what `set_rotate_method` and
+`set_load_balance` chose: torch's API makes them process-wide settings, read by every
+block entered later (and by `context_parallel_unshard`). The rotation is looked up by name
+there, once; each block takes the `Rotation` object from it when it is made.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from contextvars import ContextVar, Token
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from .._comm import all_gather_ints
 from .._describe import describe
 from .._mesh import DeviceMesh
-from .._tensor import DTensor
-from ._cp_attention import ROTATIONS, CpAttention
-from ._cp_comm import CpGroup, gather_pieces
+from ._cp_attention import CpAttention
+from ._cp_buffers import SplitBuffers, check_buffers, unshard, whole_positions
+from ._cp_comm import CpGroup
 from ._cp_layout import SequenceLayout
-from ._cp_mask import WINDOWS as _WINDOWS
+from ._cp_rotation import ALL_GATHER, ROTATIONS, Rotation
+from ._cp_session import CpSession
+# what the pipeline imports from here (its stages enter a session of their own attention)
+from ._cp_session import cp_mode_on as cp_mode_on
+from ._cp_session import current_cp_attention as current_cp_attention
 
 __all__ = ["context_parallel", "context_parallel_unshard", "set_load_balance", "set_rotate_method"]
 
 
 @dataclass
-class _Options:
-    """What `set_rotate_method` and `set_load_balance` chose (for contexts entered later)."""
+class _Settings:
+    """What `set_rotate_method` and `set_load_balance` chose (for blocks entered later)."""
 
-    rotate: str = "allgather"
+    rotation: Rotation = ALL_GATHER
     balanced: bool = True
 
 
-_OPTIONS = _Options()
+_SETTINGS = _Settings()
+Attention = CpSession  # the name the pipeline enters a session of its stage's attention by
 
 
 def set_rotate_method(method: str) -> None:
     """How keys and values reach the queries of other ranks: "allgather" (default), "ring",
-    "alltoall" or "ulysses" (see `_cp_attention`)."""
-    if method not in ROTATIONS:
+    "alltoall" or "ulysses" (see `_cp_rotation`)."""
+    rotation = ROTATIONS.get(method) if isinstance(method, str) else None
+    if rotation is None:
         raise ValueError(f"set_rotate_method({method!r}): the rotations are {list(ROTATIONS)}")
-    _OPTIONS.rotate = method
+    _SETTINGS.rotation = rotation
 
 
 def set_load_balance(balanced: bool) -> None:
     """Head-tail pieces (True, the default: rank r holds chunks r and 2cp-1-r of 2cp), or contiguous ones."""
-    _OPTIONS.balanced = bool(balanced)
+    _SETTINGS.balanced = bool(balanced)
 
 
 def cp_group(mesh: Any, what: str = "context_parallel") -> CpGroup:
@@ -90,165 +100,7 @@ def cp_group(mesh: Any, what: str = "context_parallel") -> CpGroup:
 def make_cp_attention(length: int, cp: CpGroup) -> CpAttention:
     """Attention for sequences of `length` tokens split over `cp`, by the rotation and load
     balance set now (`set_rotate_method`, `set_load_balance`)."""
-    return CpAttention(SequenceLayout(length, cp.size, _OPTIONS.balanced), cp, _OPTIONS.rotate)
-
-
-def _check_buffers(buffers: Sequence[torch.Tensor], dims: Sequence[int]) -> int:
-    """The sequence length the buffers share; every problem with them raised at once."""
-    problems: list[str] = []
-    if len(buffers) != len(dims):
-        problems.append(f"{len(buffers)} buffers but {len(dims)} buffer_seq_dims: give one sequence dim per buffer")
-    lengths = {}
-    for i, (b, d) in enumerate(zip(buffers, dims)):
-        if not isinstance(b, torch.Tensor) or isinstance(b, DTensor):
-            problems.append(f"buffers[{i}] is {describe(b)}: buffers are plain tensors, whole on every rank")
-            continue
-        if not -b.dim() <= d < b.dim():
-            problems.append(f"buffer_seq_dims[{i}]={d} is out of range for buffers[{i}] of shape {tuple(b.shape)}")
-            continue
-        lengths[i] = b.size(d)
-    if len(set(lengths.values())) > 1:
-        problems.append("the buffers' sequence dims differ in length: " +
-                        ", ".join(f"buffers[{i}] {n}" for i, n in lengths.items()) +
-                        ": list buffers of one sequence, with the dim that runs along it")
-    if problems:
-        raise ValueError("context_parallel:\n" + "\n".join(f"  - {p}" for p in problems))
-    return next(iter(lengths.values()), 0)
-
-
-_ACTIVE: ContextVar[Optional[CpAttention]] = ContextVar("shardwise_cp_attention", default=None)
-
-
-def current_cp_attention() -> Optional[CpAttention]:
-    """The context-parallel attention running now (its layout says which tokens this rank
-    holds), or None outside context parallelism."""
-    return _ACTIVE.get()
-
-
-def cp_mode_on() -> bool:
-    """Whether a context-parallel attention mode is on this thread's torch function mode stack
-    (it is not in a backward pass: autograd's engine runs without the caller's modes)."""
-    return any(isinstance(m, Attention) for m in _get_current_function_mode_stack())  # type: ignore[no-untyped-call]
-
-
-def recomputed_under(attention: CpAttention, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` run with `attention` on whenever it is called without it (a checkpointed layer's
-    recomputation in backward)."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if cp_mode_on():
-            return fn(*args, **kwargs)
-        with Attention(attention):
-            return fn(*args, **kwargs)
-    return run
-
-
-def _window_of(module: torch.nn.Module) -> tuple[bool, Optional[int]]:
-    """(whether `module` is an attention layer, its sliding window): transformers' attention
-    modules carry `is_causal`; Qwen2's and Gemma's a `sliding_window` of their own (None on
-    full layers), Mistral's only in its config."""
-    if not hasattr(module, "is_causal"):
-        return False, None
-    window = module.sliding_window if hasattr(module, "sliding_window") else getattr(
-        getattr(module, "config", None), "sliding_window", None)
-    return True, window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
-
-
-def _enter_layer(module: torch.nn.Module, _args: Any) -> None:
-    if _ACTIVE.get() is not None:
-        is_attention, window = _window_of(module)
-        if is_attention:
-            _WINDOWS.set(_WINDOWS.get() + (window,))
-
-
-def _leave_layer(module: torch.nn.Module, _args: Any, _out: Any) -> None:
-    if _ACTIVE.get() is not None and _WINDOWS.get() and _window_of(module)[0]:
-        _WINDOWS.set(_WINDOWS.get()[:-1])
-
-
-_SDPA = F.scaled_dot_product_attention  # torch's own, whatever torch.nn.functional holds later
-_HOLDERS = [0]  # open blocks that need `_sdpa_or_recompute` in torch.nn.functional
-_HOOKS: list[Any] = []  # the global module hooks that follow sliding windows, while a block is open
-
-
-def _sdpa_or_recompute(*args: Any, **kwargs: Any) -> Any:
-    """`F.scaled_dot_product_attention` while a `context_parallel` block is open. A call with the
-    block's attention set but its mode off is a recomputation in backward (torch.utils.checkpoint,
-    transformers' gradient checkpointing: autograd runs backward without the caller's torch
-    function modes); it runs context-parallel, as the forward did. Any other call is torch's."""
-    attention = _ACTIVE.get()
-    if attention is not None and not cp_mode_on():
-        with Attention(attention):
-            return _SDPA(*args, **kwargs)
-    return _SDPA(*args, **kwargs)
-
-
-def _hold() -> None:
-    """While at least one context-parallel attention is on: `_sdpa_or_recompute` in
-    torch.nn.functional (the name a model looks up at call time, as transformers' sdpa
-    attention does), and hooks on every module's forward that note the sliding window of the
-    attention layer running."""
-    if _HOLDERS[0] == 0:
-        F.scaled_dot_product_attention = _sdpa_or_recompute
-        _HOOKS.append(torch.nn.modules.module.register_module_forward_pre_hook(_enter_layer))
-        _HOOKS.append(torch.nn.modules.module.register_module_forward_hook(_leave_layer, always_call=True))
-    _HOLDERS[0] += 1
-
-
-def _release() -> None:
-    _HOLDERS[0] -= 1
-    if _HOLDERS[0] == 0:
-        F.scaled_dot_product_attention = _SDPA
-        while _HOOKS:
-            _HOOKS.pop().remove()
-
-
-class Attention(TorchFunctionMode):
-    """Runs every `F.scaled_dot_product_attention` inside the context context-parallel."""
-
-    def __init__(self, attention: CpAttention) -> None:
-        super().__init__()
-        self.attention = attention
-        self.tokens: list[Token[Optional[CpAttention]]] = []
-
-    def __enter__(self) -> Attention:
-        self.tokens.append(_ACTIVE.set(self.attention))
-        _hold()
-        super().__enter__()  # type: ignore[no-untyped-call]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        _release()
-        _ACTIVE.reset(self.tokens.pop())
-
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
-                           kwargs: Optional[dict[str, Any]] = None) -> Any:
-        kwargs = kwargs or {}
-        if func is _SDPA:
-            return self.attention(_SDPA, *args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _whole_positions(position_ids: Optional[torch.Tensor], length: int) -> Optional[torch.Tensor]:
-    """A copy of the whole (batch, seq) position ids (taken before the buffers are cut)."""
-    if position_ids is None:
-        return None
-    if not isinstance(position_ids, torch.Tensor) or isinstance(position_ids, DTensor):
-        raise TypeError(f"context_parallel(position_ids=...) takes a plain tensor, got {describe(position_ids)}")
-    positions = position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
-    if positions.dim() != 2 or positions.size(-1) != length or positions.is_floating_point():
-        raise ValueError(f"context_parallel(position_ids=...) takes integer position ids of shape (batch, {length}) "
-                         f"(the buffers' sequence length), got {positions.dtype} of shape {tuple(position_ids.shape)}")
-    return positions.detach().clone()
-
-
-def _set(buffer: torch.Tensor, value: torch.Tensor) -> None:
-    if buffer.requires_grad:  # a leaf the block made require grad: autograd refuses resize_ on it
-        buffer.data = value.detach().clone()
-        return
-    with torch.no_grad():
-        buffer.resize_(value.shape)
-        buffer.copy_(value)
+    return CpAttention(SequenceLayout(length, cp.size, _SETTINGS.balanced), cp, _SETTINGS.rotation)
 
 
 @contextlib.contextmanager
@@ -273,27 +125,38 @@ def context_parallel(mesh: DeviceMesh, *, buffers: Optional[Sequence[torch.Tenso
 def split_sequence(cp: CpGroup, buffers: list[torch.Tensor], dims: list[int], keep: set[int],
                    position_ids: Optional[torch.Tensor], problem: Optional[Exception] = None,
                    one_document: bool = False, agree: Optional[tuple[str, int]] = None) -> Iterator[CpAttention]:
-    """`context_parallel`'s body on the cp group: agree, cut `buffers` in place, run
-    attention context-parallel, restore the buffers not in `keep` (ids). `problem`: an error
-    the caller found in its own input, raised on this rank after the ranks agreed;
-    `one_document`: the position ids were made 0..S-1 (no documents to look for); `agree`: a
-    (what, value) every rank must give the same value for (say, whether labels were passed),
-    checked in the same exchange, so that ranks that would issue different collectives after
-    the call stop with an error instead."""
+    """`context_parallel`'s body on the cp group: agree, then open a session that cuts
+    `buffers` in place, runs attention context-parallel and restores the buffers not in
+    `keep` (ids). `problem`: an error the caller found in its own input, raised on this rank
+    after the ranks agreed; `one_document`: the position ids were made 0..S-1 (no documents
+    to look for); `agree`: a (what, value) every rank must give the same value for (say,
+    whether labels were passed), checked in the same exchange, so that ranks that would
+    issue different collectives after the call stop with an error instead."""
+    layout, positions = _agreed(cp, buffers, dims, position_ids, problem, agree)
+    attention = CpAttention(layout, cp, _SETTINGS.rotation, positions, one_document)
+    with CpSession(attention, SplitBuffers(buffers, dims, keep, layout, cp)):
+        yield attention
+
+
+def _agreed(cp: CpGroup, buffers: list[torch.Tensor], dims: list[int], position_ids: Optional[torch.Tensor],
+            problem: Optional[Exception], agree: Optional[tuple[str, int]]
+            ) -> tuple[SequenceLayout, Optional[torch.Tensor]]:
+    """The layout of the buffers' sequence and the whole position ids, once every cp rank has
+    said its input is good and of the same length (one small all_gather): a rank with bad
+    input, or a sequence of another length, stops every rank with an error instead of a
+    collective that never matches."""
     length, layout, positions = 0, None, None
     try:
         if problem is not None:
             raise problem
-        length = _check_buffers(buffers, dims)
+        length = check_buffers(buffers, dims)
         if not buffers:
             raise ValueError("context_parallel needs the buffers that carry the sequence (input ids, position ids, "
                              "labels) and their sequence dims: buffers=[...], buffer_seq_dims=[...]")
-        layout = SequenceLayout(length, cp.size, _OPTIONS.balanced)
-        positions = _whole_positions(position_ids, length)
+        layout = SequenceLayout(length, cp.size, _SETTINGS.balanced)
+        positions = whole_positions(position_ids, length)
     except (TypeError, ValueError) as exc:
         problem = exc
-    # the cp ranks agree before any buffer is cut: a rank with bad input, or a sequence of
-    # another length, stops every rank with an error instead of a collective that never matches
     rows = all_gather_ints([int(problem is not None), length, agree[1] if agree else 0], cp.group, cp.size)
     if problem is not None:
         raise problem
@@ -310,30 +173,7 @@ def split_sequence(cp: CpGroup, buffers: list[torch.Tensor], dims: list[int], ke
         raise ValueError(f"context_parallel: the cp ranks hold sequences of lengths {lengths}; every cp rank passes "
                          "the whole sequence (the same buffers), and context_parallel cuts it")
     assert layout is not None
-    # the whole values, for an exit by exception: the ranks may then be out of step, and a
-    # collective to gather the pieces back could wait for ranks that never come
-    saved = [b.clone() if id(b) not in keep else None for b in buffers]
-    for b, d in zip(buffers, dims):
-        _set(b, b.index_select(d, layout.index(cp.rank, b.device)))
-    attention = CpAttention(layout, cp, _OPTIONS.rotate, positions, one_document)
-    try:
-        with Attention(attention):
-            yield attention
-    except BaseException:
-        for b, whole in zip(buffers, saved):
-            if whole is not None:
-                _set(b, whole)
-        raise
-    for b, d, whole in zip(buffers, dims, saved):
-        if whole is not None:
-            _set(b, _unshard(b, d % b.dim(), layout, cp))  # gathered: what the block wrote into its pieces
-
-
-def _unshard(local: torch.Tensor, dim: int, layout: SequenceLayout, cp: CpGroup) -> torch.Tensor:
-    """The whole buffer from every rank's piece (gathered rank by rank, then put in sequence order)."""
-    gathered = gather_pieces(local, dim, layout.lengths, cp)
-    whole = torch.empty_like(gathered)
-    return whole.index_copy_(dim, layout.gathered_index(local.device), gathered)
+    return layout, positions
 
 
 def context_parallel_unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int]
@@ -345,10 +185,10 @@ def context_parallel_unshard(mesh: DeviceMesh, buffers: Sequence[torch.Tensor], 
     for b, d in zip(buffers, seq_dims):
         d = d % b.dim()
         lengths = [n for (n,) in all_gather_ints([b.size(d)], cp.group, cp.size)]
-        layout = SequenceLayout(sum(lengths), cp.size, _OPTIONS.balanced)
+        layout = SequenceLayout(sum(lengths), cp.size, _SETTINGS.balanced)
         if tuple(lengths) != layout.lengths:
             raise ValueError(f"context_parallel_unshard: the ranks hold {lengths} tokens, but a "
                              f"{sum(lengths)}-token sequence split {'head-tail' if layout.balanced else 'contiguously'}"
                              f" gives {list(layout.lengths)}: unshard with the load balance the sequence was split by")
-        out.append(_unshard(b, d, layout, cp))
+        out.append(unshard(b, d, layout, cp))
     return out

@@ -8,7 +8,8 @@ global position (`SequenceLayout` gives the positions of any rank's tokens):
   transformers detects them: a new document wherever a position is not the previous one
   plus 1): only keys of the query's own document;
 - a sliding window of W (Mistral, Qwen2's and Gemma's sliding layers): the key's position
-  is less than W before the query's;
+  is less than W before the query's (the open session notes the window of the layer
+  running, `_cp_session`);
 - an explicit mask given by the caller over the whole sequence's keys: rows of this
   rank's queries, columns in sequence order (boolean, or additive floats).
 
@@ -25,23 +26,12 @@ other local mask is refused.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-__all__ = ["WINDOWS", "Masking", "current_window", "documents_of", "model_mask_kind"]
-
-# the sliding windows of the attention layers running now, innermost last (set by module hooks
-# while context-parallel attention is on, `_context_parallel`)
-WINDOWS: ContextVar[tuple[Optional[int], ...]] = ContextVar("shardwise_cp_windows", default=())
-
-
-def current_window() -> Optional[int]:
-    """The sliding window of the attention layer running now (None: the whole causal past)."""
-    stack = WINDOWS.get()
-    return stack[-1] if stack else None
+__all__ = ["Masking", "documents_of", "model_mask_kind"]
 
 
 def documents_of(position_ids: torch.Tensor) -> torch.Tensor:

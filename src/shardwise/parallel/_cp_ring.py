@@ -13,10 +13,11 @@ its queries' share; after cp hops the gradients are home:
 
     P = exp(S - lse)   dV += P^T dO   dS = P (dO V^T - rowsum(dO O))   dQ += dS K s   dK += dS^T Q s
 
-A block no local query sees (causal: its keys all come later) is skipped. Two transports
-move a block: `"ring"` (point-to-point send to r+1, receive from r-1) and `"alltoall"`
-(torch's: an all_to_all in which each rank sends only to r+1). Either is started before
-the block's compute and waited on after it.
+A block no local query sees (causal: its keys all come later) is skipped. Two hops
+move a block: `point_to_point` (send to r+1, receive from r-1; the `"ring"` rotation) and
+`all_to_all_hop` (torch's: an all_to_all in which each rank sends only to r+1; the
+`"alltoall"` rotation). The rotation hands its hop in (`_cp_rotation`); either is started
+before the block's compute and waited on after it.
 """
 
 from __future__ import annotations
@@ -32,58 +33,61 @@ from ._cp_comm import CpGroup
 from ._cp_flash import Pair, fold_heads, merge_into, pair_backward, repeat_heads
 from ._cp_layout import SequenceLayout
 
-__all__ = ["ring_attention"]
+__all__ = ["Hop", "all_to_all_hop", "point_to_point", "ring_attention"]
 
 MaskFor = Callable[[int], Optional[torch.Tensor]]
 PairsFor = Callable[[int], list[Pair]]
 
 
-class _Shift:
-    """Send `x` to the next cp rank and receive the previous rank's block of `shape`.
+Wait = Callable[[], torch.Tensor]  # waits for a block in flight and returns it
+Hop = Callable[[torch.Tensor, tuple[int, ...], CpGroup, int], Wait]  # (block, incoming shape, cp, tag) -> wait
 
-    Under `shardwise.compile`'s trace, the ring's messages are two host steps of the graph
-    (see `_compile_comm.Trace.host`), posted where eager posts them and waited where eager
+
+def point_to_point(x: torch.Tensor, shape: tuple[int, ...], cp: CpGroup, tag: int) -> Wait:
+    """Start sending `x` to the next cp rank and receiving the previous rank's block of `shape`.
+
+    Under `shardwise.compile`'s trace the two are host steps of the graph (see
+    `_compile_comm.Trace.host`), posted where eager posts them and waited where eager
     waits, so the replay overlaps the transfer with the block's compute as eager does."""
+    trace = current_trace()
+    if trace is None:
+        return _exchange(x, shape, cp, tag)
+    held: list[Wait] = []
 
-    def __init__(self, x: torch.Tensor, shape: tuple[int, ...], cp: CpGroup, transport: str, tag: int) -> None:
-        trace = current_trace() if transport == "ring" else None
-        self._traced: Optional[Callable[[], torch.Tensor]] = None
-        if trace is not None:
-            held: list[_Shift] = []
+    def start(parts: list[torch.Tensor]) -> list[torch.Tensor]:  # at the trace and at every replay
+        held.append(_exchange(parts[0], shape, cp, tag))
+        return []
 
-            def start(parts: list[torch.Tensor]) -> list[torch.Tensor]:  # at the trace and at every replay
-                held.append(_Shift(parts[0], shape, cp, transport, tag))
-                return []
+    def wait(_: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [held.pop()()]
 
-            def wait(_: list[torch.Tensor]) -> list[torch.Tensor]:
-                return [held.pop().wait()]
+    trace.host(start, [x.contiguous()])
+    return lambda: trace.host(wait, [])[0]
 
-            trace.host(start, [x.contiguous()])
-            self._traced = lambda: trace.host(wait, [])[0]
-            return
-        n, r = cp.size, cp.rank
-        nxt, prv = (r + 1) % n, (r - 1) % n
-        if transport == "ring":
-            self._buffer = torch.empty(shape, dtype=x.dtype, device=x.device)
-            self._works = [comm.irecv(self._buffer, cp.ranks[prv], cp.group, tag=tag, label="a K/V block"),
-                           comm.isend(x.contiguous(), cp.ranks[nxt], cp.group, tag=tag, label="a K/V block")]
-            self._started: Optional[comm.Started] = None
-        else:
-            dim = x.dim() - 2
-            record = comm.AllToAll(group=cp.group, size=n, shape=tuple(x.shape), dtype=x.dtype, split_dim=dim,
-                                   cat_dim=dim, split_sizes=tuple(x.size(dim) if j == nxt else 0 for j in range(n)),
-                                   cat_pieces=tuple(shape[dim] if j == prv else 0 for j in range(n)), index=r,
-                                   mesh_dims=(cp.mesh_dim,))
-            self._works, self._started = [], comm.start(record, x.contiguous())
 
-    def wait(self) -> torch.Tensor:
-        if self._traced is not None:
-            return self._traced()
-        if self._started is not None:
-            return self._started.result()
-        for work in self._works:
+def _exchange(x: torch.Tensor, shape: tuple[int, ...], cp: CpGroup, tag: int) -> Wait:
+    n, r = cp.size, cp.rank
+    buffer = torch.empty(shape, dtype=x.dtype, device=x.device)
+    works = [comm.irecv(buffer, cp.ranks[(r - 1) % n], cp.group, tag=tag, label="a K/V block"),
+             comm.isend(x.contiguous(), cp.ranks[(r + 1) % n], cp.group, tag=tag, label="a K/V block")]
+
+    def wait() -> torch.Tensor:
+        for work in works:
             work.wait()
-        return self._buffer
+        return buffer
+    return wait
+
+
+def all_to_all_hop(x: torch.Tensor, shape: tuple[int, ...], cp: CpGroup, tag: int) -> Wait:
+    """The same hop as one all_to_all over cp in which each rank sends only to the next (torch's)."""
+    n, r = cp.size, cp.rank
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    dim = x.dim() - 2
+    record = comm.AllToAll(group=cp.group, size=n, shape=tuple(x.shape), dtype=x.dtype, split_dim=dim,
+                           cat_dim=dim, split_sizes=tuple(x.size(dim) if j == nxt else 0 for j in range(n)),
+                           cat_pieces=tuple(shape[dim] if j == prv else 0 for j in range(n)), index=r,
+                           mesh_dims=(cp.mesh_dim,))
+    return comm.start(record, x.contiguous()).result
 
 
 def _block_shape(like: torch.Tensor, length: int) -> tuple[int, ...]:
@@ -100,7 +104,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, group: int) -> torch
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cp: CpGroup,
-                transport: str, mask_for: MaskFor, pairs_for: Optional[PairsFor], scale: float) -> torch.Tensor:
+                hop: Hop, mask_for: MaskFor, pairs_for: Optional[PairsFor], scale: float) -> torch.Tensor:
         n, r = cp.size, cp.rank
         group = q.size(-3) // k.size(-3)
         kv = torch.cat([k, v], dim=-1)  # one message per block: (b, hk, s_j, d + dv)
@@ -109,8 +113,7 @@ class _RingAttention(torch.autograd.Function):
         lse = q.new_full(q.shape[:-1], float("-inf"))
         for t in range(n):
             j = (r - t) % n  # the rank whose block this is
-            shift = (_Shift(kv, _block_shape(kv, layout.lengths[(j - 1) % n]), cp, transport, t)
-                     if t < n - 1 else None)
+            incoming = hop(kv, _block_shape(kv, layout.lengths[(j - 1) % n]), cp, t) if t < n - 1 else None
             if pairs_for is not None:  # chunk pairs by the fused kernel, merged in place
                 for p in pairs_for(j):
                     keys = slice(p.k_start, p.k_start + p.k_len)
@@ -120,16 +123,16 @@ class _RingAttention(torch.autograd.Function):
                 mask = mask_for(j)
                 if _sees_some(mask):
                     out, lse = _merge(out, lse, q, kv[..., :d], kv[..., d:], mask, scale, group)
-            if shift is not None:
-                kv = shift.wait()
+            if incoming is not None:
+                kv = incoming()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (layout, cp, transport, mask_for, pairs_for, scale)
+        ctx.args = (layout, cp, hop, mask_for, pairs_for, scale)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        layout, cp, transport, mask_for, pairs_for, scale = ctx.args
+        layout, cp, hop, mask_for, pairs_for, scale = ctx.args
         n, r = cp.size, cp.rank
         group = q.size(-3) // k.size(-3)
         d, dv = k.size(-1), v.size(-1)
@@ -159,7 +162,7 @@ class _RingAttention(torch.autograd.Function):
                 block[..., d + dv:2 * d + dv] += fold_heads(grad_k, group)
                 block[..., 2 * d + dv:] += fold_heads(grad_v, group)
             # after the last step the block goes one hop further: back to its rank
-            block = _Shift(block, _block_shape(block, layout.lengths[(j - 1) % n]), cp, transport, n + t).wait()
+            block = hop(block, _block_shape(block, layout.lengths[(j - 1) % n]), cp, n + t)()
         return grad_q, block[..., d + dv:2 * d + dv], block[..., 2 * d + dv:], None, None, None, None, None, None
 
 
@@ -189,13 +192,13 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout, cp: CpGroup,
-                   transport: str, mask_for: MaskFor, pairs_for: Optional[PairsFor], scale: Optional[float]
+                   hop: Hop, mask_for: MaskFor, pairs_for: Optional[PairsFor], scale: Optional[float]
                    ) -> torch.Tensor:
     """`q` (this rank's queries, (b, h, s_r, d)) against the keys of every rank (see the
     module docstring); `mask_for(j)` is the mask of those queries against rank j's keys
     (boolean or additive, None for none). With `pairs_for` (plain causal or full attention
     on CPU) each block is instead its visible chunk pairs, by the fused kernel (`_cp_flash`)."""
     s = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
-    out: torch.Tensor = _RingAttention.apply(q, k, v, layout, cp, transport, mask_for,  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _RingAttention.apply(q, k, v, layout, cp, hop, mask_for,  # type: ignore[no-untyped-call]
                                              pairs_for, s)
     return out

@@ -56,9 +56,10 @@ from .. import _comm as comm
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate
 from .._tensor import DTensor, GroupSum, caller_place, reducers_at
-from ._context_parallel import cp_group, recomputed_under, split_sequence
+from ._context_parallel import cp_group, split_sequence
 from ._cp_attention import CpAttention
 from ._cp_comm import CpGroup
+from ._cp_session import recomputed_under
 from ._style import ParallelStyle
 
 __all__ = ["ContextParallel"]
