@@ -223,3 +223,41 @@ def test_no_import_cycle_inside_the_pipeline_not_even_for_type_checking() -> Non
     inside = {name for name in graph if name.startswith("shardwise.pipeline")}
     found = cycles({name: graph[name] & inside for name in inside})
     assert not found, "import cycles in shardwise.pipeline:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def _structure_counts() -> dict[str, list[str]]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("structure_counts", SRC.parent / "scripts" / "structure_counts.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.count()  # type: ignore[no-any-return]
+
+
+def test_process_groups_are_made_only_in_the_groups_module() -> None:
+    """Issue 46: groups were made by hand in five places; every one now comes from `_mesh/_groups.py`
+    (torch's version-dependent maker sits behind `_compat`, which only `_groups` calls)."""
+    sites = _structure_counts()["process-group creation sites"]
+    assert sites, "the count finds no group creation at all: the check would pass vacuously"
+    allowed = ("shardwise/_mesh/_groups.py:", "shardwise/_compat.py:")
+    outside = [s for s in sites if not s.startswith(allowed)]
+    assert not outside, f"process groups made outside shardwise._mesh._groups (add a maker there): {outside}"
+    compat_callers = [name for name, path in _modules().items()
+                      if "new_group_in_order" in path.read_text() and name not in (f"{ROOT}._compat", f"{ROOT}._mesh._groups")]
+    assert not compat_callers, f"new_group_in_order called outside the groups module: {compat_callers}"
+
+
+ALLOWED_PRIVATE = Path(__file__).resolve().parent / "private_imports_allowed.txt"
+
+
+def test_private_imports_across_packages_only_shrink() -> None:
+    """A package's private modules are its own: another package imports through the package's
+    `__init__`. The pairs that still reach in are listed in `private_imports_allowed.txt`; a new
+    one fails, and so does a listed one that is gone (so the list only shrinks)."""
+    found = set(_structure_counts()["private cross-package imports"])
+    allowed = {line.strip() for line in ALLOWED_PRIVATE.read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    new, gone = sorted(found - allowed), sorted(allowed - found)
+    assert not new, "imports of another package's private module (import from its __init__ instead):\n  " + "\n  ".join(new)
+    assert not gone, f"no longer imported: delete these lines from {ALLOWED_PRIVATE.name}:\n  " + "\n  ".join(gone)

@@ -39,7 +39,7 @@ def test_an_in_place_gather_of_uneven_pieces_equals_the_ordinary_one() -> None:
 
 
 def test_a_dry_run_answers_an_in_place_gather_in_its_ordinary_form() -> None:
-    from shardwise._mesh_dry import as_device_mesh, simulating
+    from shardwise._mesh import as_device_mesh, simulating
 
     mesh = as_device_mesh(sw.AbstractMesh((4,)))
     with simulating(2):

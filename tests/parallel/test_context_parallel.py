@@ -344,7 +344,7 @@ def _real_log(rotate: str) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("rotate", ROTATIONS)
 def test_a_dry_run_reports_the_collectives_context_parallel_issues(rotate: str) -> None:
-    from shardwise._mesh_dry import as_device_mesh
+    from shardwise._mesh import as_device_mesh
     from shardwise.debug import dry_run
 
     real = run_distributed(_real_log, 4, rotate)

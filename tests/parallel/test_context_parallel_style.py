@@ -242,7 +242,7 @@ def test_a_dry_run_of_the_style_reports_activations_split_by_cp() -> None:
     each rank's activation peak falls with cp (the fused kernel's chunk pairs: no (queries x
     keys) matrix), and the collectives are the rotation's and the gradient sums'."""
     transformers = pytest.importorskip("transformers")
-    from shardwise._mesh_dry import as_device_mesh
+    from shardwise._mesh import as_device_mesh
     from shardwise.debug import dry_run
 
     set_rotate_method("allgather")

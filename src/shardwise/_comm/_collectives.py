@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Optional
 import torch
 import torch.distributed as dist
 
-from .._mesh_dry import DryGroup, simulated_rank
+from .._mesh import DryGroup, simulated_rank
 
 __all__ = [
     "AllGather",

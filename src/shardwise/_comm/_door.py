@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from .._mesh import collective_timeout
-from .._mesh_dry import DryGroup
+from .._mesh import DryGroup
 from . import _dry
 from ._async import has_pending, wait_pending
 from ._collectives import AllGather, AllReduce, Broadcast, Collective, Finish, ReduceScatter

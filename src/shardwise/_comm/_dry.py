@@ -1,4 +1,4 @@
-"""Answering the collectives of a dry mesh (`_mesh_dry.DryGroup`): no process, no data.
+"""Answering the collectives of a dry mesh (`_mesh._dry.DryGroup`): no process, no data.
 
 A meta (or fake) piece gets an empty meta result of the shape the real collective would
 return, so a dry run's shapes, layouts and memory are those of a real run. A real piece (a

@@ -49,7 +49,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .._mesh import COLLECTIVE_FAILED, collective_timeout, note_process
+from .._process import PROCESS, collective_timeout, note_process
 from ._store_host import say_done, stay_for_readers
 
 __all__ = ["GRACE", "CollectiveError", "checking", "diagnose", "group_ranks", "next_number", "note_process",
@@ -82,7 +82,7 @@ class CollectiveError(RuntimeError):
         self._reason = reason
         self.outside = outside
         self.found = dict(found or {})  # rank -> what that rank (failing elsewhere) found
-        COLLECTIVE_FAILED[0] = True
+        PROCESS.collective_failed = True
         super().__init__(self._render())
 
     @property

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .._mesh import collective_timeout
-from .._mesh_dry import DryGroup, simulated_rank
+from .._mesh import DryGroup, simulated_rank
 from . import _dry
 from ._async import has_pending, wait_pending
 from ._door import CommRecord, notify

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .._mesh_dry import CACHE_SIZES
+from .._mesh import CACHE_SIZES
 from ._collectives import AllGather, Collective
 from ._dry import result_shape
 

@@ -23,7 +23,7 @@ from .._layout import (
     normalize_shard_order,
 )
 from .._mesh import DeviceMesh, _find_mesh, get_current_mesh
-from .._mesh_dry import as_device_mesh
+from .._mesh import as_device_mesh
 from .._placement import Partial, Placement, Replicate, Shard, _strided_shard
 from .._spec import DTensorSpec, TensorMeta, _spec_from
 from .._ops._random import neutral_term

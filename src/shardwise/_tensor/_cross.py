@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _comm as comm
-from .._groups import crossing_group
-from .._mesh_dry import CACHE_SIZES, PER_RANK_CACHES
+from .._mesh import crossing_group
+from .._mesh import CACHE_SIZES, PER_RANK_CACHES
 from .._mesh import DeviceMesh
 from .._ops._utils import order_like
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard

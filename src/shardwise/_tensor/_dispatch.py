@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .. import _comm as comm
 from .._explicit import check_explicit
-from .._mesh_dry import CACHE_SIZES, PER_RANK_CACHES, DryMesh
+from .._mesh import CACHE_SIZES, PER_RANK_CACHES, DryMesh
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh, DeviceMesh
 from .._ops import ACTIVE_MODES, OpCall, OpRule, PlainTensor, ScalarTensor, make_plan, rule_for

@@ -22,7 +22,7 @@ import torch
 from .. import _comm as comm
 from .._layout import ShardOrder, ShardOrderLike, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh
-from .._mesh_dry import as_device_mesh
+from .._mesh import as_device_mesh
 from .._ops._utils import order_like
 from .._partition_spec import PartitionEntry, from_placements
 from .._placement import Partial, Placement, Replicate

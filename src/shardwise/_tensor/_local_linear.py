@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .._mesh_dry import CACHE_SIZES, PER_RANK_CACHES
+from .._mesh import CACHE_SIZES, PER_RANK_CACHES
 from .._ops._batched_linear import LinearLayouts, linear_layouts
 from .._spec import DTensorSpec
 from ._autograd import FromLocal, ToLocal

@@ -33,7 +33,7 @@ import torch
 
 from .. import _comm as comm
 from .._mesh import DeviceMesh
-from .._mesh_dry import DryMesh
+from .._mesh import DryMesh
 from ._foreign import is_torch_dtensor, refuse_torch_dtensor
 from ._wrap import DTensorBase
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .. import _comm as comm
-from .._mesh_dry import CACHE_SIZES, PER_RANK_CACHES
+from .._mesh import CACHE_SIZES, PER_RANK_CACHES
 from .._mesh import DeviceMesh
 from .._redistribute import LocalStep, Program, RedistributePlan, build_program, plan_between, run_program
 from .._redistribute._specs import StridedStep, plan_parts

@@ -37,7 +37,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .._groups import side_group
+from .._mesh import side_group
 from .._tensor import DTensor
 from ._agree import agree, agree_rows, gather_json, pack
 from ._async import SaveFuture, finish_pending, in_background

@@ -9,7 +9,7 @@ After the first steps of a training loop the sizes stop growing; a growth test
 
 from __future__ import annotations
 
-from .._mesh_dry import CACHE_SIZES
+from .._mesh import CACHE_SIZES
 
 __all__ = ["cache_info"]
 

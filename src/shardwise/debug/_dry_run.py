@@ -1,7 +1,7 @@
 """`dry_run`: one step of a sharded program for a mesh of any size, on one process, with no data.
 
 The model is sharded as usual but on an `AbstractMesh` (plans, styles and `data_parallel`
-take one and shard meta parameters over a `DryMesh`, see `_mesh_dry`); `dry_run(fn, *args,
+take one and shard meta parameters over a `DryMesh`, see `_mesh._dry`); `dry_run(fn, *args,
 mesh=...)` then calls `fn` as one rank of that mesh. Every op runs its real strategy and
 every redistribute its real plan; tensors are meta (shapes, no data) and the door answers
 each collective with an empty result of the right shape. What the run sees:
@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from .._comm import CommRecord
 from .._mesh import AbstractMesh, collective_timeout
 from .._comm._dry import SIMULATION, Simulation
-from .._mesh_dry import PER_RANK_CACHES, DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
+from .._mesh import PER_RANK_CACHES, DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
 from .._tensor._wrap import DTENSOR_CLASSES
 from ..pipeline import PipelineError
 from ..fsdp._state import snapshot

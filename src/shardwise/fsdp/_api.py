@@ -19,7 +19,7 @@ from torch import nn
 
 from .._describe import describe
 from .._mesh import DeviceMesh, init_device_mesh
-from .._mesh_dry import DryMesh, as_device_mesh
+from .._mesh import DryMesh, as_device_mesh
 from .._placement import Shard
 from .._tensor._traceable import eager_hook
 from ._module import fsdp_class

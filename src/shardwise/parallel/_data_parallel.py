@@ -49,7 +49,7 @@ from .. import _comm as comm
 from .._describe import describe
 from .._layout import ShardOrder, contiguous_strides, normalize_shard_order
 from .._mesh import DeviceMesh
-from .._mesh_dry import DryMesh, as_device_mesh
+from .._mesh import DryMesh, as_device_mesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._spec import DTensorSpec, TensorMeta
 from .._tensor import DTensor, GradientReducer, caller_place, deferred, register, unwatch_leaf

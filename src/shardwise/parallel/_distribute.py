@@ -26,7 +26,7 @@ from torch import nn
 from .._describe import describe
 from .._layout import ShardOrderLike, format_placements, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh, get_current_mesh
-from .._mesh_dry import as_device_mesh
+from .._mesh import as_device_mesh
 from .._placement import Placement, Replicate
 from .._tensor import DTensor, distribute_tensor
 from .._tensor._dispatch import check_plain_afresh

@@ -26,7 +26,7 @@ from torch import nn
 
 from .. import _comm as comm
 from .._mesh import DeviceMesh
-from .._mesh_dry import DryMesh
+from .._mesh import DryMesh
 from .._tensor import DTensor, Step, arm, is_armed
 from .._tensor._plain import FINGERPRINT_WIDTH, fingerprint, same_fingerprint
 

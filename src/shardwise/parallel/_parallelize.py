@@ -28,7 +28,7 @@ from torch import nn
 from .. import _comm as comm
 from .._describe import describe
 from .._mesh import DeviceMesh, get_current_mesh
-from .._mesh_dry import as_device_mesh
+from .._mesh import as_device_mesh
 from .._tensor import DTensor, watch_plain_leaf
 from .._tensor._dispatch import check_plain_afresh
 from ._distribute import Ties, distribute_module, place_parameter

@@ -22,7 +22,7 @@ from torch import nn
 
 from .._describe import describe
 from .._mesh import DeviceMesh
-from .._mesh_dry import DryMesh, as_device_mesh
+from .._mesh import DryMesh, as_device_mesh
 from ._arguments import check_arguments, check_staged
 from ._channels import ChannelPlan
 from ._pipe import as_given_by_torchgpipe

@@ -1,6 +1,6 @@
 """A pipe's process groups: its messages', its tied parameters', and its dp and cp replicas'.
 
-The groups a layout names are made by `shardwise._groups` (the one module that makes
+The groups a layout names are made by `shardwise._mesh` (the one module that makes
 groups), collectively, in one order on every process: the point-to-point group of each
 row of `layout.p2p_rows`, then one group per row of each tie's holders. They belong to the
 pipe, which gives them back in `close()` (`_groups.destroy_groups`); the dp and cp groups
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .. import _comm as comm
-from .._groups import destroy_groups, new_groups
-from .._mesh_dry import DryGroup, DryMesh, simulated_rank
+from .._mesh import destroy_groups, new_groups
+from .._mesh import DryGroup, DryMesh, simulated_rank
 from ..parallel._context_parallel import cp_group
 from ..parallel._cp_comm import CpGroup
 from ._layout import PipeLayout

@@ -52,7 +52,7 @@ process is noticed when its connection closes or after `SHARDWISE_COLLECTIVE_TIM
 After a failure the pipe refuses further steps (its channels may hold stale messages).
 
 Point-to-point messages use a process group of their own per pp slice, made by every
-process through `shardwise._groups`; `close()` gives it back and unregisters the reducers.
+process through `shardwise._mesh`; `close()` gives it back and unregisters the reducers.
 
 The pipe itself is thin: its arguments become a frozen `PipeLayout` (`_layout`: validated
 once), its stages are placed and sharded, and a `StepContext` (`_context`: the stages, the

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from .._describe import describe
-from .._mesh import AbstractMesh, DeviceMesh, _init_default_group
+from .._mesh import AbstractMesh, DeviceMesh
+from .._process import init_default_group
 
 __all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_mesh"]
 
@@ -122,7 +123,7 @@ class Mesh:
         every process.
         """
         if not dist.is_initialized():
-            _init_default_group(device_type, self.size())
+            init_default_group(device_type, self.size())
         world = dist.get_world_size()
         if world != self.size():
             raise ValueError(

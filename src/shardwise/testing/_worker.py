@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .._groups import POINT_TO_POINT
+from .._mesh import POINT_TO_POINT
 from ._asserts import import_rewritten
 
 __all__ = ["Done", "Raised", "serve", "HARNESS_DIR"]

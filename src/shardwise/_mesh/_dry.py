@@ -24,8 +24,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ._mesh import AbstractMesh, DeviceMesh
-from ._mesh_abstract import DRY_TWIN
+from ._device import AbstractMesh, DeviceMesh
+from ._abstract import DRY_TWIN
 
 __all__ = ["DryGroup", "DryMesh", "as_device_mesh", "simulated_rank", "simulating"]
 

@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ._compat import new_group_in_order
+from .._compat import new_group_in_order
+from .._process import collective_timeout
 
 __all__ = ["GROUPS", "POINT_TO_POINT", "collective_timeout", "crossing_group", "destroy_groups", "group_for",
            "new_groups", "side_group"]
 
 GROUPS: dict[tuple[int, Any], Any] = {}  # (id of the world's group, ranks or a role) -> group
 POINT_TO_POINT: set[str] = set()  # names of the groups that carry point-to-point messages only
-
-
-def collective_timeout() -> timedelta:
-    """Timeout of every collective shardwise issues (env `SHARDWISE_COLLECTIVE_TIMEOUT`, seconds)."""
-    return timedelta(seconds=float(os.environ.get("SHARDWISE_COLLECTIVE_TIMEOUT", "300")))
 
 
 def group_for(ranks: tuple[int, ...], backend: Optional[str]) -> Any:

@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
-    from ._mesh import DeviceMesh
+    from ._device import DeviceMesh
 
 __all__ = ["AbstractMesh", "DRY_TWIN", "MeshDim", "check_names"]
 
 MeshDim = Union[int, str]
-# How an AbstractMesh finds its dry twin (a DeviceMesh with no processes): set by `_mesh_dry`
+# How an AbstractMesh finds its dry twin (a DeviceMesh with no processes): set by `_dry`
 DRY_TWIN: list[Any] = [None]
 
 
@@ -78,7 +78,7 @@ class AbstractMesh:
         return self
 
     def __getitem__(self, names: Union[str, Sequence[str]]) -> DeviceMesh:
-        """The sub-mesh over the named dims, on this mesh's dry twin (`_mesh_dry.DryMesh`), so
+        """The sub-mesh over the named dims, on this mesh's dry twin (`_dry.DryMesh`), so
         that plans for a dry run name `mesh["tp"]` as they would on a real mesh."""
         twin: DeviceMesh = DRY_TWIN[0](self)
         return twin[names]

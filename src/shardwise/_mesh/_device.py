@@ -1,5 +1,5 @@
 """Device meshes: an n-D grid of ranks with optional dim names (`AbstractMesh`, shape and
-names only, is in `_mesh_abstract`).
+names only, is in `_abstract`).
 
 `DeviceMesh` adds the rank grid and one `torch.distributed` process group per slice of
 each mesh dim, created once (by every process, in the same order) and reused by every
@@ -8,10 +8,8 @@ mesh and sub-mesh that needs the same slice.
 
 from __future__ import annotations
 
-import atexit
 import contextvars
 import os
-import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any, Optional, Union
@@ -19,9 +17,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._groups import GROUPS, collective_timeout, crossing_group, group_for
-from ._mesh_abstract import AbstractMesh, MeshDim, check_names
-from ._mesh_flat import flatten, resolve_names
+from .._process import collective_timeout, init_default_group, note_process
+from ._groups import GROUPS, crossing_group, group_for
+from ._abstract import AbstractMesh, MeshDim, check_names
+from ._flat import flatten, resolve_names
 
 __all__ = ["AbstractMesh", "DeviceMesh", "init_device_mesh", "current_mesh", "get_current_mesh", "collective_timeout"]
 
@@ -118,7 +117,7 @@ class DeviceMesh(AbstractMesh):
         self._slice_ranks = tuple(self._ranks_along(i) for i in range(self.ndim))
         self._whole = self._whole_group(ranks, create=whole)
         self._sliced_from: Optional[tuple[DeviceMesh, tuple[int, ...]]] = None  # (root mesh, its dims) of a sub-mesh
-        self._flattened: dict[str, tuple[int, ...]] = {}  # flattened dim name -> the dims it merges (`_mesh_flat`)
+        self._flattened: dict[str, tuple[int, ...]] = {}  # flattened dim name -> the dims it merges (`_flat`)
         _LIVE.setdefault(self._key(), self)
         note_process()  # so that peers can tell this process died, should it (once per process)
 
@@ -294,76 +293,6 @@ def current_mesh() -> Optional[DeviceMesh]:
     return stack[-1] if stack else None
 
 
-def _init_default_group(device_type: str, world_size: int) -> None:
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=collective_timeout())
-    elif world_size == 1:
-        store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=collective_timeout())
-    else:
-        raise RuntimeError(
-            f"a mesh of {world_size} ranks needs {world_size} processes: launch with "
-            f"`torchrun --nproc-per-node={world_size} script.py` (it sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
-        )
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    atexit.register(_destroy_default_group)
-    _note_uncaught_exceptions()
-
-
-COLLECTIVE_FAILED = [False]  # set by a CollectiveError: this process's groups are broken
-_NOTED = [False]
-
-
-def note_process() -> None:
-    """Write this process's host and pid to the default store, once, so that peers diagnosing a
-    failed collective can tell whether it died (read by `_comm._fault`)."""
-    if _NOTED[0]:
-        return
-    _NOTED[0] = True
-    try:
-        import socket
-
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"shardwise/fault/pid/{dist.get_rank()}", f"{socket.gethostname()} {os.getpid()}")
-    except Exception:
-        pass
-
-
-_CLEAN_EXIT = [True]  # False once an exception went uncaught: the process is failing
-
-
-def _note_uncaught_exceptions() -> None:
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        _CLEAN_EXIT[0] = False
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
-
-
-def _destroy_default_group() -> None:
-    """At exit, shut down the group `init_device_mesh` started, after every rank got there.
-
-    Left to the interpreter's teardown, a rank that finished first took the group down under
-    the others' feet, and one in six runs of a 2-process script aborted after it had finished
-    ("terminate called without an active exception"). A process failing with an uncaught
-    exception skips the barrier (its peers may be blocked in a collective that now fails
-    fast because this process leaves) and only shuts its group down; so does a process in
-    which a collective failed (a `CollectiveError`, even one it caught): a peer is gone or
-    stuck, and the barrier would only wait out a second timeout.
-    """
-    if not dist.is_initialized():
-        return
-    try:
-        if _CLEAN_EXIT[0] and not COLLECTIVE_FAILED[0]:  # after a failed collective, the barrier would only time out
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def init_device_mesh(
     device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Optional[Sequence[str]] = None
 ) -> DeviceMesh:
@@ -384,7 +313,7 @@ def init_device_mesh(
     for s in shape:
         n *= s
     if not dist.is_initialized():
-        _init_default_group(device_type, n)
+        init_default_group(device_type, n)
     world = dist.get_world_size()
     if n != world:
         raise ValueError(
