@@ -4,8 +4,10 @@ The first call with a given op, modes, argument layouts and non-tensor arguments
 the call (`_ops.OpCall`: specs, scalars, this rank's coordinate, modes) and asks `_ops` for
 its plan (`make_plan`, one pure step: the rule, propagation, the moves each input needs,
 output specs, local shapes, write-backs). This module only turns that plan into a runner
-(`_plans`, `_strided`): the moves' programs (`move_between`) and the outputs' wrappers, made
-once; every later call with the same key is a dictionary lookup followed by the runner's `run`.
+(`_plans`, `_strided`), through one table from plan type to the function that builds its
+runner (`_RUNNERS`: a new plan type is one entry there; one without an entry raises, named):
+the moves' programs (`move_between`) and the outputs' wrappers, made once. Every later call
+with the same key is a dictionary lookup followed by the runner's `run`.
 
 An argument the op writes (in-place self, `out=`) that had to be moved is written back
 into the layout it had, so a DTensor never changes layout behind its owner's back; a plain
@@ -21,10 +23,10 @@ The path of one call, `torch.mm(a, b)` with `a` S(0) and `b` R on a (4,) mesh:
 | ops | `propagate` -> `_choose` -> `_pick` | every candidate priced by `redistribute_cost` |
 | redistribute | `plan_between` -> `plan_redistribute` | the cost of each input move; (S(0), R) -> S(0) moves nothing |
 | ops | `_plan._sharded` | the frozen `RunSharded`: no move, output S(0), lean |
-| tensor | `_runner` | `Wrapper` of the output, `LeanPlan` |
+| tensor | `_RUNNERS[RunSharded]` = `_sharded` | `Wrapper` of the output, `LeanPlan` |
 | tensor | `LeanPlan.run` | the C op on the local pieces, the S(0) output wrapped |
 
-A move would add `move_between` (the runner's program, made once) to `_runner` and
+A move would add `move_between` (the runner's program, made once) to `_sharded` and
 `run_program` -> `_comm.run(record)` to every call.
 """
 
@@ -44,7 +46,7 @@ from .._layout import contiguous_strides
 from .._mesh import AbstractMesh, DeviceMesh
 from .._ops import ACTIVE_MODES, OpCall, OpRule, PlainTensor, ScalarTensor, make_plan, rule_for
 from .._ops._plan import RunDecomposed, RunOutside, RunPerMesh, RunSharded
-from .._ops._strided_plan import CatParts, SliceBackwardParts, SliceParts, SplitParts
+from .._ops._strided_plan import CatParts, SliceBackwardParts, SliceParts, SplitParts, Unstride
 from .._ops._loss_parallel import LOSS_PARALLEL as _LOSS_MODE, LOSS_PARALLEL_OPS
 from .._spec import DTensorSpec, TensorMeta
 from ._grad_reduce import watch_plain_leaf
@@ -284,32 +286,25 @@ def _first_mesh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Abstr
 
 
 def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], modes: frozenset[str]) -> Plan:
-    """The runner of the plan `_ops.make_plan` makes for this call."""
+    """The runner of the plan `_ops.make_plan` makes for this call (`_RUNNERS`)."""
     mesh = _first_mesh(args, kwargs)
     call = OpCall(func, tuple(map(_described, args)), tuple((k, _described(v)) for k, v in kwargs.items()), modes,
                   None if mesh is None else RUNTIME.coordinate(mesh), func is _CAT and in_split_backward())
     plan = make_plan(call)
-    if isinstance(plan, RunSharded):
-        return _runner(plan, args)
-    if isinstance(plan, RunDecomposed):
-        return DecomposedPlan(plan.decompose)
-    if isinstance(plan, RunPerMesh):
-        return ByMeshPlan(dispatch, func, plan.groups, plan.length, plan.plain)
-    if isinstance(plan, RunOutside):
-        return OutsidePlan(plan.outputs, plan.returns, plan.returns_nothing, plan.answer)
-    if isinstance(plan, SplitParts):
-        return SplitPlan(plan.dim, plan.local_sizes, tuple(map(Wrapper, plan.outputs)))
-    if isinstance(plan, SliceParts):
-        return SlicePlan(plan.dim, plan.start, plan.length, Wrapper(plan.output))
-    if isinstance(plan, SliceBackwardParts):
-        return SliceBackwardPlan(plan.dim, plan.start, plan.local_shape, Wrapper(plan.output))
-    if isinstance(plan, CatParts):
-        return CatPlan(plan.dim, Wrapper(plan.output))
-    return UnstridedPlan(func, tuple((loc, move_between(s, t)) for loc, s, t in plan.moves),
-                         tuple((loc, move_between(s, t)) for loc, s, t in plan.written), dispatch)
+    build = _RUNNERS.get(type(plan))
+    if build is None:
+        known = ", ".join(sorted(t.__name__ for t in _RUNNERS))
+        raise TypeError(f"{func}: _ops.make_plan returned a {type(plan).__qualname__}, a plan type with no runner: "
+                        f"add one entry for it to _tensor._dispatch._RUNNERS (runners exist for {known})")
+    return build(plan, func, args)
 
 
-def _runner(plan: RunSharded, args: tuple[Any, ...]) -> Plan:
+# One builder per plan type of `_ops.OpPlan`: (plan, op, args) -> its runner. A new plan type
+# is one entry here (tests/tensor/test_dispatch_runners.py checks every `OpPlan` has one).
+_Build = Callable[[Any, Any, tuple[Any, ...]], Plan]
+
+
+def _sharded(plan: RunSharded, func: Any, args: tuple[Any, ...]) -> Plan:
     """`LeanPlan` or `GeneralPlan` for `plan`: its moves made (`move_between`) and checked
     against explicit mode, its outputs' wrappers made."""
     moves = tuple((loc, None if t is None else move_between(s, t)) for loc, s, t in plan.moves)
@@ -340,3 +335,49 @@ def _runner(plan: RunSharded, args: tuple[Any, ...]) -> Plan:
         returns=plan.returns,
         returns_nothing=plan.returns_nothing,
     )
+
+
+def _decomposed(plan: RunDecomposed, func: Any, args: tuple[Any, ...]) -> Plan:
+    return DecomposedPlan(plan.decompose)
+
+
+def _per_mesh(plan: RunPerMesh, func: Any, args: tuple[Any, ...]) -> Plan:
+    return ByMeshPlan(dispatch, func, plan.groups, plan.length, plan.plain)
+
+
+def _outside(plan: RunOutside, func: Any, args: tuple[Any, ...]) -> Plan:
+    return OutsidePlan(plan.outputs, plan.returns, plan.returns_nothing, plan.answer)
+
+
+def _split(plan: SplitParts, func: Any, args: tuple[Any, ...]) -> Plan:
+    return SplitPlan(plan.dim, plan.local_sizes, tuple(map(Wrapper, plan.outputs)))
+
+
+def _slice(plan: SliceParts, func: Any, args: tuple[Any, ...]) -> Plan:
+    return SlicePlan(plan.dim, plan.start, plan.length, Wrapper(plan.output))
+
+
+def _slice_backward(plan: SliceBackwardParts, func: Any, args: tuple[Any, ...]) -> Plan:
+    return SliceBackwardPlan(plan.dim, plan.start, plan.local_shape, Wrapper(plan.output))
+
+
+def _cat(plan: CatParts, func: Any, args: tuple[Any, ...]) -> Plan:
+    return CatPlan(plan.dim, Wrapper(plan.output))
+
+
+def _unstrided(plan: Unstride, func: Any, args: tuple[Any, ...]) -> Plan:
+    return UnstridedPlan(func, tuple((loc, move_between(s, t)) for loc, s, t in plan.moves),
+                         tuple((loc, move_between(s, t)) for loc, s, t in plan.written), dispatch)
+
+
+_RUNNERS: dict[type, _Build] = {
+    RunSharded: _sharded,
+    RunDecomposed: _decomposed,
+    RunPerMesh: _per_mesh,
+    RunOutside: _outside,
+    SplitParts: _split,
+    SliceParts: _slice,
+    SliceBackwardParts: _slice_backward,
+    CatParts: _cat,
+    Unstride: _unstrided,
+}

@@ -23,6 +23,7 @@ no copy. `register_sharded` puts the stored parameter back: the object the optim
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,7 +36,7 @@ from .._placement import Placement, Replicate, Shard, _StridedShard
 from .._spec import DTensorSpec, TensorMeta
 from .._tensor import DTensor
 
-__all__ = ["TensorParallel", "UnitParam", "place", "register"]
+__all__ = ["TensorParallel", "UnitParam", "packing", "place", "register"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,20 @@ class UnitParam:
     def split(self, grad: torch.Tensor) -> list[torch.Tensor]:
         """`grad` (the full shape) cut into the shard ranks' pieces along `dim`."""
         return list(torch.split(grad, list(self.sizes), dim=self.dim))
+
+
+def packing(params: Sequence[UnitParam], n: int, even: bool = False) -> tuple[tuple[int, ...], list[list[int]]]:
+    """(each rank's packed length, each rank's start of each parameter's piece): the stored
+    pieces, or (`even`) the unsharded tensors cut into `n` torch.chunk pieces."""
+    totals, starts = [], []
+    for q in range(n):
+        at, row = 0, []
+        for p in params:
+            row.append(at)
+            at += math.prod(p.piece(n, q)[2]) if even else p.numel_on(q)
+        totals.append(at)
+        starts.append(row)
+    return tuple(totals), starts
 
 
 def place(name: str, p: torch.Tensor, mesh: DeviceMesh, shard_dim: int, placement: Shard,

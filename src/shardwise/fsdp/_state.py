@@ -11,6 +11,10 @@ per model one `Root`: the first state whose forward runs becomes the root at tha
 | pre-backward (the first gradient reaching an output) | gather the unit again if it was resharded, start gathering the previous unit |
 | post-backward (the unit's `_UnitGrad` node) | finish the previous unit's reduction, start this one's, reshard |
 | end of backward (the end-of-backward registry's `units` phase, armed once per pass) | finish every reduction, reshard what is left, reset per-step state |
+
+Where a state is in the step is one `TrainingState` (IDLE, FORWARD, PRE_BACKWARD,
+POST_BACKWARD), moved by the table in `_lifecycle`: a hook that meets a state its row does
+not allow (a forward after a backward that raised and was not reset) raises, naming the unit.
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._tensor import Step, arm, disarm
+from ._lifecycle import TRAINING, TrainingState, advance
 from ._param import UnitParam
 from ._policy import MixedPrecisionPolicy
-from ._unit import Reduction, Unit
+from ._reduce import Reduction
+from ._unit import Unit
 
 __all__ = ["FSDPState", "Root", "STATE_ATTR", "snapshot", "state_of"]
 
 STATE_ATTR = "_shardwise_fsdp_state"
+_IN_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)  # its backward has begun: no prefetch
 
 
 def _in_backward() -> bool:
@@ -79,9 +86,7 @@ class Root(Step):
     def end_of_backward(self) -> None:
         self.finish_reductions()
         for state in self.states:
-            state.backward_started = False
-            state.open_nodes = 0
-            state._uninstall()
+            state.end_step("end_of_backward")
             if state.unit is not None and state.reshard_after_backward:
                 state.unit.reshard()
 
@@ -90,15 +95,9 @@ class Root(Step):
         self.pending = []
         disarm(self)
         for state in self.states:
-            state.backward_started = False
-            state.open_nodes = 0
-            state._uninstall()
+            state.end_step("reset_iter_state")
             if state.unit is not None:
-                state.unit.inflight = []
-                for p in state.unit.params:
-                    p.unsynced = None
-                state.unit.gathered = True
-                state.unit.reshard()
+                state.unit.abandon()
 
 
 class FSDPState:
@@ -115,7 +114,7 @@ class FSDPState:
         self.reshard_after_no_grad_forward = False  # data_parallel's root: no backward will free it
         self.root: Optional[Root] = None
         self.is_root = False
-        self.backward_started = False
+        self.training = TrainingState.IDLE
         self.open_nodes = 0  # _UnitGrad nodes of this step whose backward has not run
         self.forward_prefetch: Optional[list[FSDPState]] = None
         self.backward_prefetch: Optional[list[FSDPState]] = None
@@ -129,6 +128,19 @@ class FSDPState:
                 inside = set(module.modules())
                 self.slots[module] = [(i, owner, attr) for i, p in enumerate(unit.params)
                                       for owner, attr in p.owners if owner in inside]
+
+    # -- state --------------------------------------------------------------------------
+    def _move(self, call: str) -> TrainingState:
+        """Take the training state `call` leads to (`_lifecycle.TRAINING`); returns the one before."""
+        name = self.unit.registrant if self.unit is not None else f"fully_shard of {type(self.modules[0]).__name__}"
+        before, self.training = self.training, advance(name, TRAINING, self.training, call)
+        return before
+
+    def end_step(self, call: str) -> None:
+        """The end of a backward pass or of a failed step (`call`): IDLE, no node open, no views."""
+        self._move(call)
+        self.open_nodes = 0
+        self._uninstall()
 
     # -- root ---------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -154,6 +166,8 @@ class FSDPState:
         root = self.root
         assert root is not None
         recomputing = _in_backward()
+        if not recomputing:  # a forward recomputed inside backward moves no state
+            self._move("pre_forward")
         if self.is_root and not recomputing and root.recording and root.order:
             root.stop_recording()  # the second forward of the root: the order is known
         if self.unit is not None:
@@ -173,6 +187,8 @@ class FSDPState:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not _in_backward():
+            self._move("post_forward")
         if self.unit is not None:
             for _, owner, attr in self.slots[module]:
                 owner.__dict__.pop(attr, None)
@@ -194,9 +210,8 @@ class FSDPState:
 
     # -- backward -----------------------------------------------------------------------
     def pre_backward(self, grad: torch.Tensor) -> None:
-        if self.backward_started:
-            return
-        self.backward_started = True
+        if self._move("pre_backward") is not TrainingState.IDLE:
+            return  # a later output's gradient: the unit's backward has begun
         root = self.root
         assert root is not None
         root.queue_end_of_backward()
@@ -209,7 +224,7 @@ class FSDPState:
                 views = self.unit.views()
             self._install(views)
         for target in self.backward_prefetch if self.backward_prefetch is not None else root.neighbour(self, -1):
-            if target.unit is not None and not target.backward_started:
+            if target.unit is not None and target.training not in _IN_BACKWARD:
                 target.unit.start_gather()
 
     def post_backward(self, params: list[UnitParam], grads: Sequence[Optional[torch.Tensor]]) -> None:
@@ -218,6 +233,7 @@ class FSDPState:
         root.queue_end_of_backward()
         root.finish_reductions()  # the previous unit's gradient buffer goes before this one's is made
         self.open_nodes = max(self.open_nodes - 1, 0)
+        self._move("post_backward" if self.open_nodes else "last post_backward")
         if self.open_nodes == 0:  # freed before the reduction allocates, as FSDP2 orders it
             self._uninstall()
             if self.reshard_after_backward:
@@ -237,15 +253,16 @@ class FSDPState:
 
 def snapshot(modules: Sequence[nn.Module]) -> Callable[[], None]:
     """A function that puts every unit state under `modules` back as it is now: which is root,
-    the forward order learnt (a dry run replays one step per simulated rank, each as the first)."""
+    where it is in the step, the forward order learnt (a dry run replays one step per simulated
+    rank, each as the first, even after one whose step raised)."""
     states = {s for m in modules for sub in m.modules() if (s := state_of(sub)) is not None}
-    saved = [(s, s.root, s.is_root, s.reshard_after_forward) for s in states]
+    saved = [(s, s.root, s.is_root, s.reshard_after_forward, s.training) for s in states]
     roots = {s.root for s in states if s.root is not None}
     learnt = [(r, list(r.order), r.recording, dict(r.index)) for r in roots]
 
     def restore() -> None:
-        for s, root, is_root, reshard in saved:
-            s.root, s.is_root, s.reshard_after_forward = root, is_root, reshard
+        for s, root, is_root, reshard, training in saved:
+            s.root, s.is_root, s.reshard_after_forward, s.training = root, is_root, reshard, training
         for r, order, recording, index in learnt:
             r.order, r.recording, r.index = list(order), recording, dict(index)
 

@@ -13,6 +13,10 @@ sum of its own pieces; on an HSDP mesh one `all_reduce` over the replicate dim f
 | reshard | none | the unsharded storage freed (`resize_(0)`): the tensors stay, so autograd's saved views see the next gather |
 | reduce | reduce_scatter (+ all_reduce on replicate) | + one packed gradient buffer |
 
+Which of these the parameters are in is one `UnitState` (`_lifecycle`: SHARDED, GATHERING,
+UNSHARDED, SHARDED_POST_FORWARD), moved by the table there; an in-flight gather is a `_Gather`
+record that knows the group it reads from.
+
 The forward computes with views of the unsharded tensors made by one autograd function per
 unit (`_UnitGrad`), whose backward receives every parameter's gradient at once: that is
 the moment the unit's backward is over, so the reduction starts there. Each unit is the
@@ -42,13 +46,14 @@ from .. import _comm as comm
 from .._memory_events import memory_changed
 from .._mesh import DeviceMesh
 from .._compat import resize_storage_bytes_
-from .._placement import Placement, Replicate
 from .._tensor import DTensor, GradientReducer, caller_place, register
 from .._tensor._compile import mark_persistent
-from ._param import UnitParam
+from ._lifecycle import PARAMS, TransitionError, UnitState, advance
+from ._param import UnitParam, packing
 from ._policy import MixedPrecisionPolicy, OffloadPolicy
+from ._reduce import Reduction, reduce
 
-__all__ = ["Reduction", "Unit"]
+__all__ = ["Unit"]
 
 
 def _resize(t: torch.Tensor, nbytes: int) -> None:
@@ -58,54 +63,14 @@ def _resize(t: torch.Tensor, nbytes: int) -> None:
     resize_storage_bytes_(t, nbytes)
 
 
-def _packing(params: Sequence[UnitParam], n: int, even: bool = False) -> tuple[tuple[int, ...], list[list[int]]]:
-    """(each rank's packed length, each rank's start of each parameter's piece): the stored
-    pieces, or (`even`) the unsharded tensors cut into `n` torch.chunk pieces."""
-    totals, starts = [], []
-    for q in range(n):
-        at, row = 0, []
-        for p in params:
-            row.append(at)
-            at += math.prod(p.piece(n, q)[2]) if even else p.numel_on(q)
-        totals.append(at)
-        starts.append(row)
-    return tuple(totals), starts
+@dataclass
+class _Gather:
+    """An all_gather of a unit in flight: the group it reads, and whether the pieces are the small
+    group's kept ones (reshard_after_forward=int, cut as torch.chunk) or the stored shards."""
 
-
-@dataclass(eq=False)
-class Reduction:
-    """A started reduce_scatter of one unit's gradients; `finish()` gives them to the parameters."""
-
-    unit: Unit
-    params: list[UnitParam]
-    started: comm.Started
-    starts: list[int]  # this rank's start of each parameter's piece
-
-    def finish(self) -> None:
-        unit = self.unit
-        mine = self.started.result()
-        r = unit.rank
-        if unit.replicate_group is not None:
-            for p, at in zip(self.params, self.starts):  # sums kept while the all_reduce was off
-                if p.partial is not None:
-                    mine.narrow(0, at, p.numel_on(r)).add_(p.partial.reshape(-1))
-                    p.partial = None
-            if not unit.all_reduce:
-                for p, at in zip(self.params, self.starts):
-                    p.partial = mine.narrow(0, at, p.numel_on(r))
-                return
-            mine = comm.all_reduce(mine, unit.replicate_group, unit.replicate_size, "sum", ())
-        mine.div_(unit.divide_factor)
-        for p, at in zip(self.params, self.starts):
-            piece = mine.narrow(0, at, p.numel_on(r)).view(p.shape_on(r))
-            stored = p.param
-            local = stored._local_tensor
-            if piece.dtype != local.dtype or piece.device != local.device:
-                piece = piece.to(device=local.device, dtype=local.dtype)
-            if stored.grad is None:
-                stored.grad = DTensor(piece, stored._spec, requires_grad=False)
-            else:
-                stored.grad._local_tensor.add_(piece)  # type: ignore[attr-defined]
+    source: tuple[Any, int, int]  # (group, size, this rank's index)
+    small: bool
+    started: list[tuple[list[UnitParam], comm.Started]]
 
 
 class _UnitGrad(torch.autograd.Function):
@@ -163,13 +128,12 @@ class Unit:
         self.device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else _current(mesh.device_type)
         self.sync = True  # set_requires_gradient_sync
         self.all_reduce = True  # set_requires_all_reduce (HSDP)
-        self.gathered = False
+        self.state = UnitState.SHARDED
+        self._gathering: Optional[_Gather] = None  # while GATHERING
         self.requested = False  # an explicit unshard(): register the unsharded parameters until a reshard
         self.hooked = False  # the state_dict hooks of `request` are in place
-        self.inflight: list[tuple[list[UnitParam], comm.Started]] = []
         # reshard_after_forward=int: the smaller group each rank keeps its piece over between forward and backward
         self.small: Optional[tuple[Any, int, int]] = None  # (group, size, this rank's index)
-        self.kept = False  # the params hold their `kept` pieces of the small group
         self.on_backward: Any = None  # the state's post-backward, called with the unit's gradients
         self.token = torch.empty(0, requires_grad=True)  # makes the views require grad
         by_dtype: dict[torch.dtype, list[UnitParam]] = {}
@@ -181,25 +145,40 @@ class Unit:
         self.reducer = _Reducer(self)
         register(self.reducer)  # the reducer of its parameters, for the end-of-backward registry
 
-    # -- gather -------------------------------------------------------------------------
+    # -- state --------------------------------------------------------------------------
+    def _move(self, call: str, gathering: Optional[_Gather] = None) -> None:
+        """Take the state `call` leads to (`_lifecycle.PARAMS`); `gathering` is the gather in flight."""
+        self.state = advance(self.registrant, PARAMS, self.state, call)
+        self._gathering = gathering if self.state is UnitState.GATHERING else None
+
+    @property
+    def gathered(self) -> bool:
+        """Every parameter's unsharded tensor is filled."""
+        return self.state is UnitState.UNSHARDED
+
+    @property
+    def inflight(self) -> list[tuple[list[UnitParam], comm.Started]]:
+        """The all_gathers in flight (one per dtype), none unless GATHERING."""
+        return self._gathering.started if self._gathering is not None else []
+
+    # -- gather ---------------------------------------------------------------------------
     def gather_dtype(self, p: UnitParam) -> torch.dtype:
         return self.mp.param_dtype or p.param.dtype
 
-    def _source(self) -> tuple[Any, int, int]:
-        """(group, size, this rank's index) of the gather: the small group while pieces are kept."""
-        if self.kept:
-            assert self.small is not None
-            return self.small
-        return self.group, self.size, self.rank
-
     def start_gather(self) -> None:
         """Issue this unit's all_gather (one per dtype) without waiting; no-op when gathered or issued."""
-        if self.gathered or self.inflight:
+        if self.state in (UnitState.GATHERING, UnitState.UNSHARDED):
             return
-        group, size, rank = self._source()
+        small = self.state is UnitState.SHARDED_POST_FORWARD
+        source = (self.group, self.size, self.rank)
+        if small:
+            assert self.small is not None  # (only reshard_to_small_group, which checks it, gets here)
+            source = self.small
+        group, size, rank = source
+        started: list[tuple[list[UnitParam], comm.Started]] = []
         for bucket in self.buckets:
             dtype = self.gather_dtype(bucket[0])
-            totals, _ = _packing(bucket, size, self.kept)
+            totals, _ = packing(bucket, size, small)
             # this rank's pieces are written straight into its block of the output (FSDP2's
             # copy-in): no send buffer lives while the gather is in flight
             biggest = max(totals)
@@ -207,19 +186,20 @@ class Unit:
             at = rank * biggest
             with torch.no_grad():
                 for p in bucket:
-                    piece = p.kept if self.kept else p.param._local_tensor
+                    piece = p.kept if small else p.param._local_tensor
                     assert piece is not None
                     flat.narrow(0, at, piece.numel()).copy_(piece.reshape(-1), non_blocking=True)
                     at += piece.numel()
             collective = comm.AllGather(group=group, size=size, shape=(totals[rank],), dtype=dtype, tensor_dim=0,
                                         pieces=totals, mesh_dims=(self.shard_dim,), in_place=True, index=rank)
-            self.inflight.append((bucket, comm.start(collective, flat)))
+            started.append((bucket, comm.start(collective, flat)))
+        self._move("start_gather", _Gather(source, small, started))
         memory_changed(self)  # gathering: a dry run's memory tracker counts the buffers as the unit's
 
     def unshard(self) -> None:
         """Every parameter's unsharded tensor filled (waiting for a prefetch if one is in flight),
         and registered on the modules when the user asked for it (`request`)."""
-        if not self.gathered:
+        if self.state is not UnitState.UNSHARDED:
             self._gather()
         if self.requested:
             for p in self.params:
@@ -227,45 +207,45 @@ class Unit:
 
     def _gather(self) -> None:
         self.start_gather()
-        _, size, _ = self._source()
-        for bucket, started in self.inflight:
+        gathering = self._gathering
+        assert gathering is not None
+        _, size, _ = gathering.source
+        for bucket, started in gathering.started:
             flat = started.result()
-            totals, starts = _packing(bucket, size, self.kept)
+            totals, starts = packing(bucket, size, gathering.small)
             ranks = torch.split(flat, list(totals))
             with torch.no_grad():
                 for i, p in enumerate(bucket):
-                    shapes = [p.piece(size, q)[2] if self.kept else p.shape_on(q) for q in range(size)]
+                    shapes = [p.piece(size, q)[2] if gathering.small else p.shape_on(q) for q in range(size)]
                     pieces = [ranks[q].narrow(0, starts[q][i], math.prod(shapes[q])).view(shapes[q])
                               for q in range(size)]
                     full = self._storage_for(p, flat.dtype, flat.device)
                     with _unsafe_preserve_version_counter(full):
                         torch.cat(pieces, dim=p.dim, out=full)
-        self.inflight = []
-        self.gathered = True
+        self._move("unshard")
         memory_changed(self)  # filled: what a dry run's memory tracker counts as the unit's
-        if self.kept:
+        if gathering.small:
             for p in self.params:
                 p.kept = None
-            self.kept = False
 
     def reshard_to_small_group(self) -> None:
         """Keep this rank's piece of the small group (reshard_after_forward=int) and free the rest."""
-        assert self.small is not None
+        if self.small is None:
+            raise TransitionError(f"{self.registrant}: reshard_to_small_group in parameters {self.state.name}: the "
+                                  f"unit has no small group (fully_shard(reshard_after_forward=int) makes one)")
         self._unregister()
-        if self.inflight:
+        if self.state is UnitState.GATHERING:
             self.unshard()
-        if not self.gathered:
+        if self.state is not UnitState.UNSHARDED:
+            self._move("reshard_to_small_group")  # SHARDED or SHARDED_POST_FORWARD: nothing to free
             return
         _, size, index = self.small
         for p in self.params:
             assert p.full is not None
             start, length, _ = p.piece(size, index)
             p.kept = p.full.narrow(p.dim, start, length).clone(memory_format=torch.contiguous_format)
-        self.kept = True
-        for p in self.params:
-            if p.full is not None:
-                _resize(p.full, 0)
-        self.gathered = False
+        self._free()
+        self._move("reshard_to_small_group")
         memory_changed(self)  # freed in place: a dry run's memory tracker counts them as gone
 
     def _storage_for(self, p: UnitParam, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -282,18 +262,32 @@ class Unit:
         """Free the unsharded storage (the tensors stay for the next gather) and register the
         stored sharded parameters again where an explicit unshard registered unsharded ones."""
         self._unregister()
-        if self.inflight:  # a prefetch nobody used: wait for it so its buffers can go
+        if self.state is UnitState.GATHERING:  # a prefetch nobody used: wait for it so its buffers can go
             self.unshard()
         for p in self.params:
             p.kept = None
-        self.kept = False
-        if not self.gathered:
+        if self.state is not UnitState.UNSHARDED:
+            self._move("reshard")
             return
+        self._free()
+        self._move("reshard")
+        memory_changed(self)  # freed in place: a dry run's memory tracker counts them as gone
+
+    def abandon(self) -> None:
+        """Forget a failed step: an in-flight gather is dropped unwaited, unsynced gradients too,
+        and every unsharded storage is freed, whatever the state."""
+        self._unregister()
+        for p in self.params:
+            p.unsynced = None
+            p.kept = None
+        self._free()
+        self._move("abandon")
+        memory_changed(self)
+
+    def _free(self) -> None:
         for p in self.params:
             if p.full is not None:
                 _resize(p.full, 0)
-        self.gathered = False
-        memory_changed(self)  # freed in place: a dry run's memory tracker counts them as gone
 
     # -- explicit unshard -----------------------------------------------------------------
     def request(self) -> None:
@@ -307,7 +301,7 @@ class Unit:
                 # sees (and loads into) the stored sharded parameters, and the next gather reads them
                 owner.register_state_dict_pre_hook(self._before_state_dict)  # type: ignore[no-untyped-call]
                 owner.register_load_state_dict_pre_hook(self._before_state_dict)  # type: ignore[no-untyped-call]
-        if self.gathered:
+        if self.state is UnitState.UNSHARDED:
             self.unshard()
 
     @property
@@ -327,6 +321,7 @@ class Unit:
     def views(self) -> list[torch.Tensor]:
         """What the forward computes with, per parameter: a view of its unsharded tensor (made
         a DTensor on the tp mesh where it was one), tracked for backward when it needs a gradient."""
+        self._move("views")  # (UNSHARDED only)
         outs: list[torch.Tensor] = [p.full for p in self.params]  # type: ignore[misc]
         if torch.is_grad_enabled():
             tracked = [i for i, p in enumerate(self.params) if p.param.requires_grad]
@@ -345,51 +340,8 @@ class Unit:
     # -- reduce ---------------------------------------------------------------------------
     def reduce(self, params: list[UnitParam], grads: Sequence[Optional[torch.Tensor]]) -> list[Reduction]:
         """Start the reduce_scatter of `grads` (one per param, None when unused), or keep them
-        unsharded while gradient sync is off."""
-        grads = [_piece(p, g) for p, g in zip(params, grads)]
-        if not self.sync:
-            for p, g in zip(params, grads):
-                if g is not None:
-                    p.unsynced = g.clone() if p.unsynced is None else p.unsynced.add_(g)
-            return []
-        out = []
-        for bucket in self.buckets:
-            members = [(p, g) for p, g in zip(params, grads) if p in bucket]
-            if not members:
-                continue
-            chosen = [p for p, _ in members]
-            dtype = self.mp.reduce_dtype or self.mp.param_dtype or chosen[0].param.dtype
-            totals, starts = _packing(chosen, self.size)
-            packed = torch.empty(sum(totals), dtype=dtype, device=self.device)
-            ranks = torch.split(packed, list(totals))
-            for i, (p, g) in enumerate(members):
-                if p.unsynced is not None:
-                    g = p.unsynced if g is None else p.unsynced.add_(g)
-                    p.unsynced = None
-                pieces = p.split(g) if g is not None else [None] * self.size
-                for q, piece in enumerate(pieces):
-                    slot = ranks[q].narrow(0, starts[q][i], p.numel_on(q)).view(p.shape_on(q))
-                    slot.zero_() if piece is None else slot.copy_(piece)
-            collective = comm.ReduceScatter(group=self.group, size=self.size, shape=(sum(totals),), dtype=dtype,
-                                            tensor_dim=0, pieces=totals, index=self.rank, op="sum",
-                                            mesh_dims=(self.shard_dim,), donated=True)
-            out.append(Reduction(self, chosen, comm.start(collective, packed), starts[self.rank]))
-        return out
-
-
-def _piece(p: UnitParam, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The gradient as the plain piece the unit gathered: a DTensor gradient (a plain parameter's
-    that met tensor-parallel activations, or a tp parameter's in another layout) is laid out as
-    the parameter's tp placements first (Replicate() for a plain parameter)."""
-    if not isinstance(grad, DTensor):
-        return grad
-    if p.tp is None:
-        placements: tuple[Placement, ...] = (Replicate(),) * grad.device_mesh.ndim
-        if grad.placements != placements:
-            grad = grad.redistribute(placements=placements)
-    elif grad.placements != p.tp.placements or grad.shard_order != p.tp.shard_order:
-        grad = grad.redistribute(p.tp.mesh, p.tp.placements, shard_order=p.tp.shard_order)
-    return grad._local_tensor
+        unsharded while gradient sync is off (`_reduce.reduce`)."""
+        return reduce(self, params, grads)
 
 
 def _current(device_type: str) -> torch.device:
