@@ -144,3 +144,50 @@ def test_flatten_merges_mesh_dims_into_one_the_root_mesh_then_knows_by_name() ->
         mesh["dp_replicate", "dp_shard"]._flatten("cp")
     with pytest.raises(ValueError, match=r"'nope' is not a dim of this mesh .*flattened dims \['dp_cp', 'dp_shard_cp'\]"):
         mesh["nope", "dp_cp"]
+
+
+@distributed(world_size=4)
+def test_unflatten_splits_a_dim_into_smaller_groups_over_the_same_ranks() -> None:
+    # torchtitan builds its expert-parallel mesh by splitting a dim (the private
+    # DeviceMesh._unflatten): ep borrows part of the data-parallel ranks
+    r = dist.get_rank()
+    world = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    split = world.unflatten("world", (2, 2), ("dp", "ep"))
+    assert split.shape == (2, 2) and split.mesh_dim_names == ("dp", "ep")
+    assert split.mesh.tolist() == [[0, 1], [2, 3]] and split.get_coordinate() == [r // 2, r % 2]
+    assert split["ep"].mesh.tolist() == ([0, 1] if r < 2 else [2, 3])
+    assert world._unflatten(0, (2, 2), ("dp", "ep")) == split
+    t = torch.tensor([float(r)])
+    dist.all_reduce(t, group=split.get_group("ep"))
+    assert t.item() == sum(split.ranks_along("ep"))
+    # a sub-mesh is split through its root: the other dims keep their groups, and a later
+    # flatten of the new dims reaches every copy of the sub-mesh (here, both tp ranks)
+    mesh = sw.init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp_shard", "tp"))
+    moe = mesh["dp_shard"].unflatten("dp_shard", (2, 2), ("efsdp", "ep"))
+    assert moe.mesh_dim_names == ("efsdp", "ep") and moe.mesh.tolist() == [[0, 1], [2, 3]]
+    assert moe.get_group("ep") is split.get_group("ep")  # one group per slice of ranks
+    assert moe["efsdp", "ep"]._flatten("dp_again").mesh.tolist() == [0, 1, 2, 3]
+    s = sw.distribute_tensor(torch.arange(8.0).reshape(4, 2), moe, [Shard(0), Shard(1)])
+    assert s.to_local().tolist() == [[4.0 * (r // 2) + r % 2], [4.0 * (r // 2) + 2 + r % 2]]
+    assert torch.equal(s.full_tensor(), torch.arange(8.0).reshape(4, 2))
+    with pytest.raises(ValueError, match=r"sizes must multiply to 4"):
+        world.unflatten("world", (3, 2), ("a", "b"))
+    with pytest.raises(ValueError, match=r"\['tp'\] already name dims"):
+        mesh.unflatten("dp_shard", (2, 2), ("tp", "ep"))
+    with pytest.raises(ValueError, match="one name per size"):
+        world.unflatten(0, (2, 2), ("a",))
+
+
+def test_dry_mesh_unflatten_and_simulated_ranks() -> None:
+    from shardwise.debug import dry_mesh, simulating
+
+    mesh = dry_mesh((2, 8), mesh_dim_names=("pp", "dp"))
+    assert mesh is dry_mesh((2, 8), mesh_dim_names=("pp", "dp")) and mesh.device_type == "meta"
+    moe = mesh.unflatten("dp", (2, 4), ("efsdp", "ep"))
+    assert moe.shape == (2, 2, 4) and moe.mesh_dim_names == ("pp", "efsdp", "ep")
+    ep = mesh["dp"].unflatten("dp", (2, 4), ("efsdp", "ep"))["ep"]
+    with simulating(13):
+        assert moe.get_coordinate() == [1, 1, 1]
+        assert ep.ranks_along("ep") == (12, 13, 14, 15) and ep.get_local_rank() == 1
+    with pytest.raises(ValueError, match="must multiply to 8"):
+        mesh.unflatten("dp", (3, 3), ("a", "b"))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .._process import collective_timeout, init_default_group, note_process
 from ._groups import GROUPS, crossing_group, group_for
 from ._abstract import AbstractMesh, MeshDim, check_names
-from ._flat import flatten, resolve_names
+from ._flat import flatten, resolve_names, unflatten
 
 __all__ = ["AbstractMesh", "DeviceMesh", "init_device_mesh", "current_mesh", "get_current_mesh", "collective_timeout"]
 
@@ -246,6 +246,22 @@ class DeviceMesh(AbstractMesh):
         private `DeviceMesh._flatten`, as torchtitan calls it. Call on every process."""
         flat: DeviceMesh = flatten(self, mesh_dim_name)
         return flat
+
+    def unflatten(self, mesh_dim: MeshDim, sizes: Sequence[int], names: Sequence[str]) -> DeviceMesh:
+        """The same ranks with mesh dim `mesh_dim` split into dims of `sizes` (row-major) named
+        `names`: e.g. expert parallelism over part of the data-parallel ranks,
+        `mesh.unflatten("dp_shard", (2, 2), ("dp_shard_mod_ep", "ep"))`. The other dims keep
+        their process groups; the new dims' groups are made here, so call it on every process.
+        On a sub-mesh, the mesh it was sliced from gains the dims and the result is its slice."""
+        split: DeviceMesh = unflatten(self, mesh_dim, sizes, names)
+        return split
+
+    def _unflatten(self, dim: MeshDim, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
+                   backend_override: Any = None) -> DeviceMesh:
+        """torch's private `DeviceMesh._unflatten`, as torchtitan calls it: `unflatten`."""
+        if backend_override is not None:
+            raise ValueError("_unflatten(backend_override=...) is not supported: the new dims use the mesh's backend")
+        return self.unflatten(dim, mesh_sizes, mesh_dim_names)
 
     # -- current mesh ----------------------------------------------------------------
     def __enter__(self) -> DeviceMesh:

@@ -26,8 +26,9 @@ import torch
 
 from ._device import AbstractMesh, DeviceMesh
 from ._abstract import DRY_TWIN
+from ._flat import _checked_split
 
-__all__ = ["DryGroup", "DryMesh", "as_device_mesh", "simulated_rank", "simulating"]
+__all__ = ["DryGroup", "DryMesh", "as_device_mesh", "dry_mesh", "simulated_rank", "simulating"]
 
 _SIMULATED: contextvars.ContextVar[int] = contextvars.ContextVar("shardwise_simulated_rank", default=0)
 
@@ -188,6 +189,25 @@ class DryMesh(DeviceMesh):
         names = None if self.mesh_dim_names is None else tuple(self.mesh_dim_names[d] for d in dims)
         return DryMesh(tuple(self.shape[d] for d in dims), names, _root=self._root, _dims=tuple(self._dims[d] for d in dims))
 
+    def unflatten(self, mesh_dim: Union[int, str], sizes: Sequence[int], names: Sequence[str]) -> DryMesh:
+        """`DeviceMesh.unflatten` on no processes: the root's shape gains the dims."""
+        i = self.mesh_dim_index(mesh_dim)
+        sizes, names = _checked_split(self, i, sizes, names)
+        shape, root_names = self._root
+        if root_names is None and len(shape) > 1:
+            raise ValueError(f"cannot split a dim of {self!r}: its mesh has no dim names; give it mesh_dim_names=")
+        r, old = self._dims[i], root_names or ("",)
+        clash = sorted(set(names) & (set(old) - {old[r]}))
+        if clash:
+            raise ValueError(f"cannot split into {names}: {clash} already name dims of the mesh {root_names}; "
+                             f"choose other names")
+        whole = DryMesh.of(AbstractMesh(shape[:r] + sizes + shape[r + 1:], old[:r] + names + old[r + 1:]))
+        grown = len(sizes) - 1
+        dims: list[int] = []
+        for d in self._dims:
+            dims.extend(range(r, r + len(sizes)) if d == r else [d + grown if d > r else d])
+        return whole.sub(dims)
+
     def _key(self) -> tuple[Any, ...]:
         return (self._root, self._dims, self.shape, self.mesh_dim_names)
 
@@ -207,6 +227,14 @@ class DryMesh(DeviceMesh):
         where = "" if self._dims == tuple(range(len(self._root[0]))) and self.shape == self._root[0] else \
             f", slice of {self._root[0]}"
         return f"DryMesh({self.shape}{names}{where})"
+
+
+def dry_mesh(mesh_shape: Sequence[int], *, mesh_dim_names: Optional[Sequence[str]] = None) -> DryMesh:
+    """A DeviceMesh of shape `mesh_shape` with no processes behind it: `init_device_mesh`'s
+    dry twin. Shard meta parameters over it and run a step as one rank of a mesh of any size
+    (`simulating(rank)`, `shardwise.debug.dry_run`); collectives return results of the right
+    shape and no data. The same shape and names give the same mesh."""
+    return DryMesh.of(AbstractMesh(tuple(mesh_shape), mesh_dim_names))
 
 
 def as_device_mesh(mesh: Any) -> Any:

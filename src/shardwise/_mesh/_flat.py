@@ -1,4 +1,5 @@
-"""Flattened mesh dims: several dims of a mesh seen as one, as torch's private `DeviceMesh._flatten` gives.
+"""Flattened and split mesh dims: several dims of a mesh seen as one (`_flatten`), or one dim
+seen as several (`unflatten`), as torch's private `DeviceMesh._flatten` / `_unflatten` give.
 
 torchtitan shards parameters over the product of its data-parallel and context-parallel dims
 (`mesh["dp_shard", "cp"]._flatten("dp_shard_cp")`) and reads the flattened dim back by name
@@ -7,6 +8,13 @@ flattened dim is recorded on the mesh the sub-mesh was sliced from (its root): t
 merges, in order, contiguous or not. Its process groups, one per slice of the root, are made
 when `_flatten` is called, by every process in the same order (group creation is
 collective), and found again by every later lookup.
+
+Splitting goes the other way: `mesh.unflatten("dp_shard", (2, 2), ("dp_shard_mod_ep", "ep"))`
+is the same ranks as a mesh with one more dim, the new dims' groups made over every copy of
+the mesh in the world (so every process makes the same groups in the same order), the other
+dims' groups shared. Expert parallelism borrows data-parallel ranks this way. A sub-mesh is
+split through its root: the root gains the dims, the result is sliced from it, and a later
+`_flatten` of the result's dims reaches every copy, as on any sub-mesh.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import torch
 
 from ._groups import group_for
 
-__all__ = ["flatten", "resolve_names"]
+__all__ = ["flatten", "resolve_names", "unflatten"]
 
 
 def flatten(mesh: Any, name: Optional[str]) -> Any:
@@ -82,4 +90,74 @@ def resolve_names(mesh: Any, names: tuple[str, ...]) -> Any:
             groups.append(group_for(tuple(ranks.tolist()), backend))  # made by `_flatten`: a lookup
     made = type(mesh)(mesh.device_type, sub, mesh_dim_names=tuple(n for n, _ in expanded), _groups=tuple(groups))
     made._sliced_from = (mesh, tuple(used))
+    return made
+
+
+def unflatten(mesh: Any, dim: Any, sizes: Sequence[int], names: Sequence[str]) -> Any:
+    """`mesh` with dim `dim` split into dims of `sizes` named `names` (row-major over its
+    ranks); collective when the new dims need process groups (call it on every process)."""
+    i = mesh.mesh_dim_index(dim)
+    sizes, names = _checked_split(mesh, i, sizes, names)
+    root, root_dims = mesh._sliced_from or (mesh, tuple(range(mesh.ndim)))
+    if len(root_dims) != mesh.ndim:
+        raise ValueError(f"cannot split dim {mesh.mesh_dim_names[i] if mesh.mesh_dim_names else i!r} of {mesh!r}: it "
+                         f"is a flattened dim; split a dim of the mesh it was flattened from instead")
+    if root.mesh_dim_names is None and root.ndim > 1:
+        raise ValueError(f"cannot split a dim of {root!r}: it has no dim names; create it with mesh_dim_names=")
+    r = root_dims[i]
+    others = set(root.mesh_dim_names or ()) - {(root.mesh_dim_names or ("",))[r]}
+    clash = sorted(set(names) & (others | set(root._flattened)))
+    if clash:
+        raise ValueError(f"cannot split into {tuple(names)}: {clash} already name dims of the mesh "
+                         f"{root.mesh_dim_names}; choose other names")
+    whole = _split_root(root, r, sizes, names)
+    if root is mesh:
+        return whole
+    kept = [whole.mesh_dim_names[d + (len(sizes) - 1 if d > r else 0)] for d in root_dims]
+    at = root_dims.index(r)
+    picked = kept[:at] + list(names) + kept[at + 1:]
+    return whole[tuple(picked)]
+
+
+def _checked_split(mesh: Any, i: int, sizes: Sequence[int], names: Sequence[str]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    sizes, names = tuple(sizes), tuple(names)
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise TypeError(f"split sizes must be ints >= 1, got {sizes}")
+    if any(not isinstance(n, str) or not n for n in names):
+        raise TypeError(f"split dim names must be non-empty strs, got {names}")
+    if len(sizes) != len(names) or not sizes:
+        raise ValueError(f"unflatten needs one name per size: got sizes {sizes} and names {names}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"split dim names {names} repeat a name")
+    if math.prod(sizes) != mesh.shape[i]:
+        raise ValueError(f"cannot split mesh dim {i} of size {mesh.shape[i]} into sizes {sizes} (product "
+                         f"{math.prod(sizes)}): the sizes must multiply to {mesh.shape[i]}")
+    return sizes, names
+
+
+def _split_root(root: Any, r: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """The root mesh with its dim `r` split: the other dims keep their groups, the new ones get
+    theirs (every slice's, made by every process in one order)."""
+    shape = root.shape[:r] + sizes + root.shape[r + 1:]
+    old = root.mesh_dim_names or ("",)
+    new_names = old[:r] + names + old[r + 1:]
+    grid = root._grid.reshape(shape)
+    me = None if root._coordinate is None else int(root._grid[tuple(root._coordinate)])
+    backend = "nccl" if root.device_type == "cuda" else None
+    groups: list[Any] = []
+    for d in range(len(shape)):
+        if d < r or d >= r + len(sizes):
+            groups.append(root._groups[d if d < r else d - len(sizes) + 1])
+            continue
+        mine = None
+        for row in grid.movedim(d, -1).reshape(-1, shape[d]).tolist():
+            group = group_for(tuple(row), backend)
+            if me in row:
+                mine = group
+        groups.append(mine)
+    made = type(root)(root.device_type, grid, mesh_dim_names=new_names, _groups=tuple(groups))
+    made._whole = root._whole  # the same ranks in the same order
+    for name, dims in root._flattened.items():  # flattened dims that do not merge the split dim
+        if r not in dims:
+            made._flattened[name] = tuple(d if d < r else d + len(sizes) - 1 for d in dims)
     return made

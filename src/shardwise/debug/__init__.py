@@ -9,6 +9,8 @@
   abstract mesh, run with meta tensors as one rank of a mesh of any size: every collective
   (kind, mesh dims, bytes, op, module) and the memory per rank (parameters, gradients,
   optimizer state, activations), as a table or JSON.
+- `dry_mesh(shape, mesh_dim_names=...)`: the mesh a dry run shards over, with no processes
+  behind it (`init_device_mesh`'s dry twin); `simulating(rank)` picks the rank it plays.
 - `visualize_sharding(dtensor)` (or a shape with mesh= and placements=): which rank holds
   which piece, for any mesh and tensor rank, as text (and a PNG with png=);
   `layout_table(model)`: every parameter's layout and map.
@@ -21,6 +23,7 @@
 from .._comm import CommRecord, comm_log
 from .._explain import explain_redistribute, plan_for
 from .._explicit import ImplicitRedistributionError, explicit
+from .._mesh import dry_mesh, simulating
 from .._tensor import GradientReducer
 from ._caches import cache_info
 from ._counter import CommCounter
@@ -40,11 +43,13 @@ __all__ = [
     "RankReport",
     "cache_info",
     "comm_log",
+    "dry_mesh",
     "dry_run",
     "explain_redistribute",
     "explicit",
     "gradient_reducers",
     "layout_table",
     "plan_for",
+    "simulating",
     "visualize_sharding",
 ]
