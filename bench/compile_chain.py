@@ -113,7 +113,7 @@ def step_body(repeats: int, dims: tuple[int, int, int]) -> dict[str, float]:
 
 
 def _compile(fn: Any) -> Any:
-    from shardwise._tensor._compile import compile as sw_compile
+    from shardwise import compile as sw_compile
 
     return sw_compile(fn)
 

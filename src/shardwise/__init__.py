@@ -15,9 +15,9 @@ from ._placement import Partial, Placement, Replicate, Shard
 from ._redistribute import COST_MODEL, RedistributePlan
 from ._spec import DTensorSpec, TensorMeta
 from ._ops import set_strict
+from ._compile import compile
 from ._tensor import (
     DTensor,
-    compile,
     distribute_tensor,
     empty,
     from_local,
@@ -73,6 +73,6 @@ __all__ = [
 
 # torch.compile: once torch._dynamo is loaded, dynamo never starts a frame in shardwise's code
 # (modules still loading when it registered are covered here; later ones on import)
-from ._tensor._traceable import mark_loaded as _mark_loaded  # noqa: E402
+from ._tensor import mark_loaded as _mark_loaded  # noqa: E402
 
 _mark_loaded()

@@ -14,7 +14,7 @@ from ._mesh import AbstractMesh, DeviceMesh
 from ._placement import Placement
 from ._redistribute import RedistributePlan, plan_redistribute
 from ._spec import DTensorSpec, TensorMeta
-from ._tensor._cross import plan_cross, ranks_of
+from ._tensor import plan_cross, ranks_of
 
 __all__ = ["explain_redistribute", "plan_for"]
 

@@ -20,8 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 from ._layout import format_placements
-from ._ops import ACTIVE_MODES
-from ._ops._registry import op_mode
+from ._ops import ACTIVE_MODES, op_mode
 
 __all__ = ["EXPLICIT", "ImplicitRedistributionError", "check_explicit", "explicit"]
 

@@ -416,7 +416,7 @@ def test_the_first_adam_step_is_eagers_bit_for_bit() -> None:
 
 @distributed(world_size=2)
 def test_a_signature_that_changes_every_call_keeps_at_most_max_signatures_programs() -> None:
-    from shardwise._tensor._compile import MAX_SIGNATURES
+    from shardwise._compile import MAX_SIGNATURES
 
     mesh = sw.init_device_mesh("cpu", (2,))
     d = sw.distribute_tensor(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), mesh, [Shard(0)])

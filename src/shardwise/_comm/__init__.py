@@ -33,13 +33,16 @@ from ._door import (
     start,
     suspended,
 )
-from ._dry import dry_run_number
+from ._dry import SIMULATION, Simulation, dry_run_number
 from ._fault import CollectiveError, checking
 from ._metadata import all_gather_ints, broadcast, broadcast_object, gather_over_mesh
 from ._p2p import P2PError, P2PRecord, P2PWork, irecv, isend, received, recv, send
+from ._traced import COLLECTIVE, as_node, forget
 
 __all__ = [
     "BUCKET_BYTES",
+    "COLLECTIVE",
+    "SIMULATION",
     "AllGather",
     "AllReduce",
     "AllToAll",
@@ -54,15 +57,18 @@ __all__ = [
     "P2PRecord",
     "P2PWork",
     "ReduceScatter",
+    "Simulation",
     "Started",
     "all_gather_ints",
     "all_reduce",
     "all_reduce_coalesced",
+    "as_node",
     "broadcast",
     "broadcast_object",
     "checking",
     "dry_run_number",
     "comm_log",
+    "forget",
     "gather_over_mesh",
     "has_pending",
     "intercept",

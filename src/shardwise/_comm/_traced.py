@@ -8,16 +8,14 @@ op's kernel (registered by `_door`) runs record `number` through the door (so `c
 it at run time), and its fake kernel answers the result's shape from the record alone.
 
 Two tracers use it:
-- `shardwise.compile` (`_tensor/_compile_comm`), whose `make_fx` trace runs on real tensors;
+- `shardwise.compile` (`shardwise._compile`), whose `make_fx` trace runs on real tensors;
 - `torch.compile`: dynamo and AOTAutograd run DTensor dispatch on fake pieces, and the
   door sends every collective of a fake piece here (`is_traced`), so the compiled graph
   holds one node per collective, which inductor calls as an extern kernel.
 
-The same library holds `shardwise::host`, one opaque step of host work in a graph that only
-`shardwise.compile` records: `host_node(fn, inputs, made)` files `fn` (a function of a list
-of tensors to a list of tensors) and calls `shardwise::host(inputs, number)`, whose kernel
-calls it at every replay. A pipeline's messages are such steps (their headers carry shapes
-and failures, read in Python at every replay, see `pipeline._wire`).
+The op lives here, beside the door, because the door is its kernel and the torch.compile path
+starts in the door; `shardwise._compile` imports it from here. That package's own op,
+`shardwise::host` (host work at every replay), is `_compile/_host.py`.
 
 Records are kept while their graphs may run; `forget` drops those of a graph that will not
 (`shardwise.compile` knows when its programs go). `torch.compile` does not say when a graph
@@ -30,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -39,21 +36,16 @@ from .._mesh import CACHE_SIZES
 from ._collectives import AllGather, Collective
 from ._dry import result_shape
 
-__all__ = ["COLLECTIVE", "HOST", "LIB", "as_node", "forget", "host_node", "is_traced", "record"]
-
-HostFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+__all__ = ["COLLECTIVE", "LIB", "as_node", "forget", "is_traced", "record"]
 
 _CALLS: dict[int, Collective] = {}
-_HOSTS: dict[int, HostFn] = {}
 _SHARED: dict[Collective, int] = {}  # torch.compile's records, one number per distinct collective
 CACHE_SIZES["traced collective records"] = _CALLS.__len__
-CACHE_SIZES["traced host steps"] = _HOSTS.__len__
 _IDS = itertools.count()
 _LOCK = threading.Lock()
 
 LIB = torch.library.Library("shardwise", "FRAGMENT")  # type: ignore[no-untyped-call]
 LIB.define("collective(Tensor local, int call) -> Tensor")  # type: ignore[no-untyped-call]
-LIB.define("host(Tensor[] inputs, int call) -> Tensor[]")  # type: ignore[no-untyped-call]
 
 
 def record(call: int) -> Collective:
@@ -69,24 +61,6 @@ torch.library.register_fake("shardwise::collective", _fake, lib=LIB)
 
 COLLECTIVE = torch.ops.shardwise.collective.default
 
-
-def _host_kernel(inputs: list[torch.Tensor], call: int) -> list[torch.Tensor]:
-    return _HOSTS[call](list(inputs))
-
-
-LIB.impl("host", _host_kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-
-HOST = torch.ops.shardwise.host.default
-
-
-def host_node(fn: HostFn, inputs: list[torch.Tensor], made: list[int]) -> list[torch.Tensor]:
-    """`fn(inputs)` as one `shardwise::host` call: run now (while a trace records the call)
-    and at every replay of the graph; its number is appended to `made` (`forget` it with the graph)."""
-    with _LOCK:
-        key = next(_IDS)
-        _HOSTS[key] = fn
-    made.append(key)
-    return HOST(inputs, key)  # type: ignore[no-any-return]
 
 _TRACED_TYPES: tuple[type, ...] = (torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
 
@@ -131,4 +105,3 @@ def forget(keys: list[int]) -> None:
     """Drop the records of a graph that will not run again."""
     for key in keys:
         _CALLS.pop(key, None)
-        _HOSTS.pop(key, None)

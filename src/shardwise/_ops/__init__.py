@@ -6,9 +6,11 @@ mode), so the order the families are imported in never changes an answer.
 
 from . import _conv, _embedding, _factory, _foreach, _index, _matmul, _nll, _nn, _norm, _pointwise  # noqa: F401
 from . import _fft, _linalg, _loss, _loss_parallel, _misc, _reduction, _replicated, _shape, _spatial, _view  # noqa: F401
+from ._batched_linear import LinearLayouts, linear_layouts
 from ._call import Location, OpCall, PlainTensor
 from ._local import LocalCall, LocalFn, Runtime
-from ._plan import OpPlan, make_plan
+from ._loss_parallel import LOSS_PARALLEL, LOSS_PARALLEL_OPS
+from ._plan import OpPlan, RunDecomposed, RunOutside, RunPerMesh, RunSharded, make_plan
 from ._propagate import is_strict, propagate, redistribute_cost, set_strict, strategy_calls
 from ._registry import (
     ACTIVE_MODES,
@@ -33,11 +35,17 @@ from ._schema import (
     StrategyType,
     TupleStrategy,
 )
-from ._utils import expand_to_mesh
+from ._random import neutral_term
+from ._strided_plan import CatParts, SliceBackwardParts, SliceParts, SplitParts, Unstride
+from ._utils import expand_to_mesh, order_like
 
 __all__ = [
     "ACTIVE_MODES",
+    "LOSS_PARALLEL",
+    "LOSS_PARALLEL_OPS",
+    "CatParts",
     "Layout",
+    "LinearLayouts",
     "LocalCall",
     "LocalFn",
     "Location",
@@ -50,16 +58,27 @@ __all__ = [
     "OutputSharding",
     "PlacementStrategy",
     "PlainTensor",
+    "RunDecomposed",
+    "RunOutside",
+    "RunPerMesh",
+    "RunSharded",
     "Runtime",
     "ScalarTensor",
+    "SliceBackwardParts",
+    "SliceParts",
+    "SplitParts",
     "StrategyType",
     "TupleStrategy",
+    "Unstride",
     "active_modes",
     "expand_to_mesh",
     "get_op_strategy",
     "is_strict",
+    "linear_layouts",
     "make_plan",
+    "neutral_term",
     "op_mode",
+    "order_like",
     "propagate",
     "redistribute_cost",
     "register_op_kind",

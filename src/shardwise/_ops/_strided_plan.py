@@ -31,7 +31,7 @@ import torch
 
 from .._layout import contiguous_strides
 from .._placement import Placement, Replicate, Shard, _StridedShard
-from .._redistribute._specs import as_shard
+from .._redistribute import as_shard
 from .._spec import DTensorSpec, TensorMeta
 from ._call import Location, OpCall
 from ._registry import OpKind, OpRule

@@ -26,8 +26,8 @@ from .._mesh import DeviceMesh, _find_mesh, get_current_mesh
 from .._mesh import as_device_mesh
 from .._placement import Partial, Placement, Replicate, Shard, _strided_shard
 from .._spec import DTensorSpec, TensorMeta, _spec_from
-from .._ops._random import neutral_term
-from .._redistribute._exchange import scatter_routes
+from .._ops import neutral_term
+from .._redistribute import scatter_routes
 from . import _random
 from ._traceable import from_local_node
 from ._plans import empty_piece

@@ -27,11 +27,9 @@ from .. import _comm as comm
 from .._mesh import crossing_group
 from .._mesh import CACHE_SIZES, PER_RANK_CACHES
 from .._mesh import DeviceMesh
-from .._ops._utils import order_like
+from .._ops import order_like
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
-from .._redistribute import plan_between
-from .._redistribute._cross import CrossPlan, Side, cross_plan
-from .._redistribute._exchange import Box, Routes
+from .._redistribute import Box, CrossPlan, Routes, Side, cross_plan, plan_between
 from .._spec import DTensorSpec
 from ._plans import empty_piece
 from ._redistribute import redistribute_local

@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 
 from .._placement import Partial
-from .._redistribute._exchange import Box, piece_boxes
+from .._redistribute import Box, piece_boxes
 from ._async import resolve
 from ._wrap import DTensorBase
 

@@ -44,10 +44,10 @@ from .._explicit import check_explicit
 from .._mesh import CACHE_SIZES, PER_RANK_CACHES, DryMesh
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh, DeviceMesh
-from .._ops import ACTIVE_MODES, OpCall, OpRule, PlainTensor, ScalarTensor, make_plan, rule_for
-from .._ops._plan import RunDecomposed, RunOutside, RunPerMesh, RunSharded
-from .._ops._strided_plan import CatParts, SliceBackwardParts, SliceParts, SplitParts, Unstride
-from .._ops._loss_parallel import LOSS_PARALLEL as _LOSS_MODE, LOSS_PARALLEL_OPS
+from .._ops import (ACTIVE_MODES, LOSS_PARALLEL_OPS, CatParts, OpCall, OpRule, PlainTensor, RunDecomposed, RunOutside,
+                   RunPerMesh, RunSharded, ScalarTensor, SliceBackwardParts, SliceParts, SplitParts, Unstride, make_plan,
+                   rule_for)
+from .._ops import LOSS_PARALLEL as _LOSS_MODE
 from .._spec import DTensorSpec, TensorMeta
 from ._grad_reduce import watch_plain_leaf
 from ._plain import check_plain, forget_checks, meets_plain

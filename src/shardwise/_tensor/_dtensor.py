@@ -23,7 +23,7 @@ from .. import _comm as comm
 from .._layout import ShardOrder, ShardOrderLike, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh
 from .._mesh import as_device_mesh
-from .._ops._utils import order_like
+from .._ops import order_like
 from .._partition_spec import PartitionEntry, from_placements
 from .._placement import Partial, Placement, Replicate
 from .._spec import DTensorSpec, TensorMeta

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .._mesh import CACHE_SIZES, PER_RANK_CACHES
-from .._ops._batched_linear import LinearLayouts, linear_layouts
+from .._ops import LinearLayouts, linear_layouts
 from .._spec import DTensorSpec
 from ._autograd import FromLocal, ToLocal
 from ._wrap import DTensorBase

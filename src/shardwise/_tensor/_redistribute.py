@@ -15,8 +15,8 @@ import torch
 from .. import _comm as comm
 from .._mesh import CACHE_SIZES, PER_RANK_CACHES
 from .._mesh import DeviceMesh
-from .._redistribute import LocalStep, Program, RedistributePlan, build_program, plan_between, run_program
-from .._redistribute._specs import StridedStep, plan_parts
+from .._redistribute import (LocalStep, Program, RedistributePlan, StridedStep, build_program, plan_between, plan_parts,
+                             run_program)
 from .._spec import DTensorSpec
 
 __all__ = ["Move", "describe_move", "move_between", "redistribute_local", "run_move", "start_redistribute"]

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from .._redistribute._exchange import Box
+from .._redistribute import Box
 from .._source_names import source_names
 from ._agree import agree
 from ._load import _load_group, load

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .._placement import Partial
-from .._redistribute._exchange import Box, overlap, piece_boxes
+from .._redistribute import Box, overlap, piece_boxes
 from .._tensor import DTensor
 from ._agree import agree
 from ._async import finish_pending

@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._redistribute._exchange import Box
+from .._redistribute import Box
 from ._files import write_atomically
 from ._paths import Path, show
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .._comm import all_gather_ints
 from .._placement import Replicate, _StridedShard
-from .._redistribute._exchange import Box, piece_boxes
+from .._redistribute import Box, piece_boxes
 from .._tensor import DTensor
 from ._paths import Path
 from ._writer import Leaf, Share

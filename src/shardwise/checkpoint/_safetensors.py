@@ -45,7 +45,7 @@ from typing import Any, Union
 
 import torch
 
-from .._redistribute._exchange import Box
+from .._redistribute import Box
 
 __all__ = ["DTYPES", "Header", "TensorInfo", "read_header", "runs"]
 

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._redistribute._exchange import Box
+from .._redistribute import Box
 from ._paths import Path, show
 
 __all__ = ["Box", "Leaf", "Save", "Share", "StorageWriter", "check_loadable"]

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._comm import CommRecord
-from .._comm._door import Interceptor, intercept
+from .._comm import CommRecord, Interceptor, intercept
 
 __all__ = ["CommCounter"]
 

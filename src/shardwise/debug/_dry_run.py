@@ -34,11 +34,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .._comm import CommRecord
+from .._comm import SIMULATION, CommRecord, Simulation
 from .._mesh import AbstractMesh, collective_timeout
-from .._comm._dry import SIMULATION, Simulation
 from .._mesh import PER_RANK_CACHES, DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
-from .._tensor._wrap import DTENSOR_CLASSES
+from .._tensor import DTENSOR_CLASSES
 from ..pipeline import PipelineError
 from ..fsdp._state import snapshot
 from ._counter import CommCounter

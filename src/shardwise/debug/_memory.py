@@ -27,7 +27,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._memory_events import listening
-from .._tensor._wrap import DTENSOR_CLASSES
+from .._tensor import DTENSOR_CLASSES
 from ..fsdp._state import state_of
 from ._report import CATEGORIES, UNSHARDED, MemoryReport
 

@@ -22,7 +22,7 @@ from .._layout import format_placements, local_shape_and_offset, normalize_place
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement
 from .._spec import DTensorSpec
-from .._tensor._wrap import DTENSOR_CLASSES
+from .._tensor import DTENSOR_CLASSES
 from ._picture import ParamLayout, layout_png, layout_text
 
 __all__ = ["layout_table", "visualize_sharding"]

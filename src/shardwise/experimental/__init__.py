@@ -8,6 +8,6 @@ from ..parallel._context_parallel import (
     set_load_balance,
     set_rotate_method,
 )
-from ..parallel._cp_style import ContextParallel
+from ..parallel import ContextParallel
 
 __all__ = ["ContextParallel", "context_parallel", "context_parallel_unshard", "set_load_balance", "set_rotate_method"]

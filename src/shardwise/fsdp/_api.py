@@ -21,7 +21,7 @@ from .._describe import describe
 from .._mesh import DeviceMesh, init_device_mesh
 from .._mesh import DryMesh, as_device_mesh
 from .._placement import Shard
-from .._tensor._traceable import eager_hook
+from .._tensor import eager_hook
 from ._module import fsdp_class
 from ._param import UnitParam, place, register
 from ._policy import MixedPrecisionPolicy, OffloadPolicy

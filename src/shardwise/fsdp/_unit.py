@@ -46,8 +46,8 @@ from .. import _comm as comm
 from .._memory_events import memory_changed
 from .._mesh import DeviceMesh
 from .._compat import resize_storage_bytes_
+from .._compile import mark_persistent
 from .._tensor import DTensor, GradientReducer, caller_place, register
-from .._tensor._compile import mark_persistent
 from ._lifecycle import PARAMS, TransitionError, UnitState, advance
 from ._param import UnitParam, packing
 from ._policy import MixedPrecisionPolicy, OffloadPolicy

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _comm as comm
-from .._tensor._compile_comm import current_trace
+from .._compile import current_trace
 from ._cp_comm import CpGroup
 from ._cp_flash import Pair, fold_heads, merge_into, pair_backward, repeat_heads
 from ._cp_layout import SequenceLayout
@@ -47,7 +47,7 @@ def point_to_point(x: torch.Tensor, shape: tuple[int, ...], cp: CpGroup, tag: in
     """Start sending `x` to the next cp rank and receiving the previous rank's block of `shape`.
 
     Under `shardwise.compile`'s trace the two are host steps of the graph (see
-    `_compile_comm.Trace.host`), posted where eager posts them and waited where eager
+    `shardwise._compile`'s `Trace.host`), posted where eager posts them and waited where eager
     waits, so the replay overlaps the transfer with the block's compute as eager does."""
     trace = current_trace()
     if trace is None:

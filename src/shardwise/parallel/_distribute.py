@@ -28,8 +28,7 @@ from .._layout import ShardOrderLike, format_placements, normalize_placements, n
 from .._mesh import DeviceMesh, get_current_mesh
 from .._mesh import as_device_mesh
 from .._placement import Placement, Replicate
-from .._tensor import DTensor, distribute_tensor
-from .._tensor._dispatch import check_plain_afresh
+from .._tensor import DTensor, check_plain_afresh, distribute_tensor
 
 __all__ = ["distribute_module"]
 

@@ -27,8 +27,7 @@ from torch import nn
 from .. import _comm as comm
 from .._mesh import DeviceMesh
 from .._mesh import DryMesh
-from .._tensor import DTensor, Step, arm, is_armed
-from .._tensor._plain import FINGERPRINT_WIDTH, fingerprint, same_fingerprint
+from .._tensor import FINGERPRINT_WIDTH, DTensor, Step, arm, fingerprint, is_armed, same_fingerprint
 
 __all__ = ["PlainGradientCheck"]
 

@@ -24,8 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from .._ops import active_modes, op_mode
-from .._ops._loss_parallel import LOSS_PARALLEL
+from .._ops import LOSS_PARALLEL, active_modes, op_mode
 
 __all__ = ["loss_parallel"]
 

@@ -29,8 +29,7 @@ from .. import _comm as comm
 from .._describe import describe
 from .._mesh import DeviceMesh, get_current_mesh
 from .._mesh import as_device_mesh
-from .._tensor import DTensor, watch_plain_leaf
-from .._tensor._dispatch import check_plain_afresh
+from .._tensor import DTensor, check_plain_afresh, watch_plain_leaf
 from ._distribute import Ties, distribute_module, place_parameter
 from ._experts import experts_split_by_layout, run_own_experts
 from ._grad_check import PlainGradientCheck

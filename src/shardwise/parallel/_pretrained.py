@@ -29,7 +29,7 @@ _ADOPTED = "_shardwise_save_pretrained"
 
 def save_pretrained(model: nn.Module, save_directory: Union[str, "os.PathLike[str]"], **kwargs: Any) -> None:
     """`shardwise.checkpoint.save_pretrained(model, save_directory, **kwargs)`; call on every rank."""
-    from ..checkpoint._hf_pretrained import save_pretrained as write
+    from ..checkpoint import save_pretrained as write
 
     write(model, save_directory, **kwargs)
 

@@ -43,8 +43,7 @@ from torch import nn
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Placement, Replicate, Shard, _StridedShard
-from .._tensor import DTensor
-from .._tensor._traceable import redistribute_node
+from .._tensor import DTensor, redistribute_node
 from ._distribute import distribute_module, place_parameter
 from ._fused import fused_parts
 from ._plan import Sharder

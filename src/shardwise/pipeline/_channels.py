@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ._schedule import Action
-from .skip._namespace import Namespace
-from .skip._routes import SkipRoutes
+from .skip import Namespace, SkipRoutes
 from .skip._tracker import SkipKey
 
 __all__ = ["Channel", "ChannelPlan"]

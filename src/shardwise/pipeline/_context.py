@@ -20,7 +20,7 @@ from typing import Any, Optional, cast
 
 from torch import nn
 
-from ..parallel._data_parallel import data_parallel
+from ..parallel import data_parallel
 from ._gradients import PipeGradients, pipe_gradients
 from ._guard import StepGuard
 from ._layout import PipeLayout

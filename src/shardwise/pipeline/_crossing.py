@@ -29,12 +29,9 @@ from .. import _comm as comm
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
-from .._redistribute._cross import _volume
-from .._redistribute._exchange import Routes
+from .._redistribute import Routes, _volume
 from .._spec import DTensorSpec, TensorMeta
-from .._tensor import from_local
-from .._tensor._cross import CrossMove, _region, plan_cross
-from .._tensor._redistribute import redistribute_local
+from .._tensor import CrossMove, _region, from_local, plan_cross, redistribute_local
 from ._channels import Channel
 from ._link import Link, never_sent
 from ._message import OK, DSlot, box_shape, dtensors_of, fill, leaves, slots_of, wire_view

@@ -37,8 +37,7 @@ from ._schedule import clock_cycles
 from ._stream import AbstractStream, Copy, Wait, current_stream, use_device
 from ._timeline import Timeline, current_timeline
 from ._worker import ExcInfo, InQueue, OutQueue, Task, spawn_workers
-from .skip._routes import SkipRoutes
-from .skip._tracker import SkipTrackerThroughPortals, use_skip_tracker
+from .skip import SkipRoutes, SkipTrackerThroughPortals, use_skip_tracker
 
 __all__ = ["Pipeline"]
 

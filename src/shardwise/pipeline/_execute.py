@@ -13,7 +13,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, Optional
 
-from .._tensor._compile_comm import current_trace
+from .._compile import current_trace
 from ..parallel._context_parallel import Attention
 from ._context import StepContext
 from ._guard import Failure

@@ -34,8 +34,7 @@ from ._batchnorm import DeferredBatchNorm
 from ._engine import Pipeline
 from ._microbatch import BatchValue, check, gather, scatter
 from ._stream import AbstractStream, as_device, new_stream
-from .skip._routes import SkipRoutes, inspect_skip_layout
-from .skip._verify import verify_skippables
+from .skip import SkipRoutes, inspect_skip_layout, verify_skippables
 
 __all__ = ["Pipe"]
 

@@ -1,7 +1,7 @@
 """A pipeline step under `shardwise.compile`: its messages as host steps of the replayed graph.
 
 A traced step records the stages' compute as usual. Each message that crosses ranks becomes
-one `shardwise::host` node (`_compile_comm.Trace.host`) whose kernel runs the whole wire
+one `shardwise::host` node (`shardwise._compile`'s `Trace.host`) whose kernel runs the whole wire
 protocol at every replay: a send posts its header (metadata inside) and payloads; a receive
 reads the header (so a peer's failure still arrives as a message and stops this rank at
 once), checks that the metadata is the one traced (the shapes the graph was built for) and
@@ -27,7 +27,7 @@ from ._context import StepContext
 from ._schedule import Action
 
 if TYPE_CHECKING:
-    from .._tensor._compile_comm import Trace
+    from .._compile import Trace
 
 __all__ = ["ReplayedStep", "traced_step"]
 

@@ -31,10 +31,8 @@ from .._describe import describe
 from ._checkpoint import Checkpointing
 from ._microbatch import Batch, BatchValue
 from ._pipe import check_arguments
-from .skip._routes import SkipRoutes
-from .skip._namespace import Namespace
-from .skip._portal import Portal
-from .skip._tracker import SkipKey, SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
+from .skip import Namespace, Portal, SkipRoutes, SkipTracker, SkipTrackerThroughPortals, use_skip_tracker
+from .skip._tracker import SkipKey
 
 __all__ = ["PipelineStage", "SkipTrackerThroughRanks", "split_module"]
 

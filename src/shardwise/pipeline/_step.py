@@ -22,7 +22,7 @@ from .._describe import describe
 from .._tensor import DTensor
 from ..parallel._context_parallel import current_cp_attention, make_cp_attention
 from ..parallel._cp_attention import CpAttention
-from ..parallel._data_parallel import no_sync
+from ..parallel import no_sync
 from ._channels import Channel
 from ._context import StepContext
 from ._microbatch import Batch, BatchValue, check, scatter

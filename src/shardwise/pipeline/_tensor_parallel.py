@@ -19,7 +19,7 @@ from torch import nn
 
 from .._describe import describe
 from .._mesh import DeviceMesh
-from ..parallel._parallelize import parallelize_module
+from ..parallel import parallelize_module
 from ..parallel._plan import match
 
 __all__ = ["check_tp_plan", "shard_stage", "tp_dim_of"]

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .. import _comm as comm
-from .._tensor._compile_comm import current_trace
+from .._compile import current_trace
 from ._channels import Channel, ChannelPlan
 from ._crossing import receive_across, send_across
 from ._link import Link, RemoteFailure, never_sent

@@ -39,8 +39,7 @@ from .._layout import Layout, ShardOrder, contiguous_strides, local_shape_and_of
 from .._mesh import DeviceMesh
 from .._partition_spec import MeshAxis, PartitionSpecLike
 from .._placement import Partial, Placement, Replicate
-from .._tensor import DTensor
-from .._tensor._autograd import to_local
+from .._tensor import DTensor, to_local
 from ._mark import device_mesh_of, layout_of, replicated
 
 __all__ = ["enable_manual_sharding", "disable_manual_sharding", "shard_map", "psum"]

@@ -32,8 +32,7 @@ from .._mesh import DeviceMesh
 from .._partition_spec import PartitionSpecLike, to_placements
 from .._placement import Placement, Replicate
 from .._spec import DTensorSpec, TensorMeta
-from .._tensor import DTensor, distribute_tensor
-from .._tensor._redistribute import redistribute_local
+from .._tensor import DTensor, distribute_tensor, redistribute_local
 
 __all__ = ["mark_sharding", "mark_sharding_with_gradients", "mark_sharding_module", "clear_sharding"]
 

@@ -52,7 +52,7 @@ def fused_for_trace(leaves: list[Any], lrs: dict[int, torch.Tensor]) -> Iterator
     """While tracing, step the SGD/Adam/AdamW groups in `lrs` on their fused path, their
     learning rates the tensors there (inputs of the graph, see `lr_inputs`). The flags and the
     lr are set only for the trace: the signature was taken before and sees the user's values."""
-    # a group without state yet is taking its first step, which is never kept (see `_compile._FIRST_STEP`):
+    # a group without state yet is taking its first step, which is never kept (see `_function._FIRST_STEP`):
     # it steps as in eager, so the call gives eager's numbers (SGD without momentum keeps no state)
     groups = [group for leaf in leaves if isinstance(leaf, _TRACED)
               for group in leaf.param_groups if id(group) in lrs

@@ -3,13 +3,13 @@
 `compile` traces with `make_fx` over real pieces, so the door would run each collective
 for real, as Python calls a tracer sees inside of. While a trace runs,
 `collectives_as_nodes()` installs a door hook (`_comm.Interceptor`) that takes over every
-tensor collective and issues it as one `shardwise::collective` node (`_comm._traced`): the
-node's kernel runs the same record through the door (with the hook suspended, so the
-hooks below it, `comm_log()` among them, see it) at every replay.
+tensor collective and issues it as one `shardwise::collective` node (the door's op,
+`_comm/_traced.py`): the node's kernel runs the same record through the door (with the hook
+suspended, so the hooks below it, `comm_log()` among them, see it) at every replay.
 
 The block yields a `Trace`, which `current_trace()` returns to code running inside it: a
 caller whose host work must happen at every replay (a pipeline's messages, whose headers
-carry shapes and failures) files it as a `shardwise::host` node (`Trace.host`), registers
+carry shapes and failures) files it as a `shardwise::host` node (`Trace.host`, `_host`), registers
 hooks the replay calls before the graph and when it raises (`Trace.on_replay`), or says why
 the trace cannot be replayed (`Trace.refuse`).
 """
@@ -24,9 +24,10 @@ from typing import Optional
 import torch
 
 from .. import _comm
-from .._comm._traced import COLLECTIVE, HOST, HostFn, as_node, forget, host_node
+from ._host import HostFn, host_node
+from ._host import forget as forget_hosts
 
-__all__ = ["COLLECTIVE", "HOST", "Trace", "collectives_as_nodes", "current_trace", "forget_calls"]
+__all__ = ["Trace", "collectives_as_nodes", "current_trace"]
 
 # The tensor-in, tensor-out records a trace turns into nodes (bookkeeping gathers are never offered).
 _TRACED = (_comm.AllGather, _comm.AllToAll, _comm.AllToAllBoxes, _comm.AllReduce, _comm.ReduceScatter)
@@ -47,22 +48,23 @@ class _AsNodes(_comm.Interceptor):
 
     def run(self, collective: _comm.Collective, local: torch.Tensor) -> torch.Tensor:
         with _comm.suspended(self):  # the kernel runs the record through the door, past this hook
-            return as_node(collective, local, self.made)
+            return _comm.as_node(collective, local, self.made)
 
 
 class Trace:
-    """One running trace: the record numbers its nodes use (`calls`: keep them while the
-    graph lives, `forget_calls` after), the hooks its replays call, and why it may not be
-    replayed (`refused`)."""
+    """One running trace: the numbers its nodes use (`calls`, the collectives' records, and
+    `hosts`, the host steps: keep them while the graph lives, `forget` them after), the hooks
+    its replays call, and why it may not be replayed (`refused`)."""
 
     def __init__(self, calls: list[int]) -> None:
         self.calls = calls
+        self.hosts: list[int] = []
         self.begin: list[Callable[[], None]] = []
         self.failed: list[Callable[[BaseException], None]] = []
         self.refused: Optional[str] = None
 
     def host(self, fn: HostFn, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`fn(inputs)` now and at every replay, as one node (see `_comm._traced.host_node`);
+        """`fn(inputs)` now and at every replay, as one node (see `_host.host_node`);
         `fn` runs as eager code, with no trace current (so the code it calls is not traced twice)."""
         def untraced(parts: list[torch.Tensor]) -> list[torch.Tensor]:
             saved, _CURRENT.trace = getattr(_CURRENT, "trace", None), None
@@ -71,7 +73,7 @@ class Trace:
             finally:
                 _CURRENT.trace = saved
 
-        return host_node(untraced, inputs, self.calls)
+        return host_node(untraced, inputs, self.hosts)
 
     def on_replay(self, begin: Callable[[], None], failed: Callable[[BaseException], None]) -> None:
         """Call `begin()` before every replay of the graph and `failed(exc)` when a replay
@@ -83,6 +85,11 @@ class Trace:
         """This trace cannot be replayed: the function runs eagerly, warning with `reason`."""
         if self.refused is None:
             self.refused = reason
+
+    def forget(self) -> None:
+        """Drop the records and host steps of this trace's graph: it will not run again."""
+        _comm.forget(self.calls)
+        forget_hosts(self.hosts)
 
 
 _CURRENT = threading.local()
@@ -106,6 +113,3 @@ def collectives_as_nodes() -> Iterator[Trace]:
             yield trace
         finally:
             _CURRENT.trace = None
-
-
-forget_calls = forget
