@@ -63,7 +63,8 @@ PARALLEL = [
     "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "ReplicateParallel", "RowwiseParallel", "SequenceParallel", "Sharder", "ShardingPlan", "ShardingPlanner", "coverage",
     "data_parallel",
-    "distribute_module", "global_mean", "loss_parallel", "memory_report", "no_sync", "parallelize_module", "shard_module",
+    "distribute_module", "global_mean", "loss_parallel", "memory_report", "no_sync", "parallelize_module", "route_counts",
+    "shard_module",
 ]
 
 

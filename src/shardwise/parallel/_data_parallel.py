@@ -52,7 +52,7 @@ from .._mesh import DeviceMesh
 from .._mesh import DryMesh, as_device_mesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._spec import DTensorSpec, TensorMeta
-from .._tensor import DTensor, GradientReducer, caller_place, deferred, register, unwatch_leaf
+from .._tensor import DTensor, GradientReducer, caller_place, deferred, reducers_at, register, unwatch_leaf
 from .._layout import chunk_range
 from ..fsdp._param import TensorParallel, UnitParam
 from ..fsdp._zero import shard_by_units
@@ -221,6 +221,8 @@ def _store(
 ) -> Optional[_Param]:
     """The whole-mesh DTensor parameter for `p` (values from the first dp rank), or None after noting a problem."""
     rest = [i for i in range(mesh.ndim) if i != d]
+    if isinstance(p, DTensor) and _experts_over_dp(p, mesh, d):
+        return None  # whole experts per dp rank, averaged by their token dispatch: left as they are
     if isinstance(p, DTensor):
         if tp_mesh is None or p.device_mesh != tp_mesh:
             where = "plain tensors (the mesh is 1-D)" if tp_mesh is None else f"DTensors on {tp_mesh!r}"
@@ -276,6 +278,15 @@ def _store(
         p._spec.shard_order if isinstance(p, DTensor) else (),
         piece_shape,
     )
+
+
+def _experts_over_dp(p: DTensor, mesh: DeviceMesh, d: int) -> bool:
+    """Whether `p` is an expert stack that `ExpertParallel(tokens="split")` splits over exactly
+    the dp ranks: its gradient is already the average over them (token dispatch), so data
+    parallel neither places nor reduces it."""
+    found = reducers_at("layout").get(id(p))
+    return (found is not None and found[1].registrant == "ExpertParallel" and p.device_mesh.ndim == 1
+            and p.device_mesh.ranks_along(0) == mesh.ranks_along(d))
 
 
 def _make_pre_hook(state: _State, items: list[tuple[str, _Param]]) -> Any:

@@ -43,15 +43,20 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .. import _comm as comm
 from .._layout import chunk_range
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate, Shard
 from .._tensor import DTensor
 from ._distribute import place_parameter
+from .._tensor import register
+from ._cp_comm import CpGroup
 from ._local_params import local_parameters
+from ._moe_dispatch import EpRanks, RouteCounts, capacity_of, dispatch_capacity, dispatch_dropless
+from ._replicate import _Registered
 from ._style import ParallelStyle
 
-__all__ = ["ExpertParallel"]
+__all__ = ["ExpertParallel", "route_counts"]
 
 
 def expert_parameters(module: nn.Module) -> list[str]:
@@ -71,11 +76,36 @@ class ExpertParallel(ParallelStyle):
     """Split an experts module (`num_experts` experts stacked along dim 0 of its parameters,
     called as `experts(hidden_states, top_k_index, top_k_weights)`) by whole experts.
 
+    `tokens` says where the tokens are:
+    - `"replicated"` (default): every rank of the mesh holds the same tokens (tensor
+      parallelism); each runs its experts on the routes that reach them and one all-reduce
+      sums the results.
+    - `"split"`: each rank holds its own tokens (the mesh's ranks are data-parallel ranks, as
+      ep borrowing dp or dp x cp); each route goes to its expert's owner by one all_to_all and
+      its result comes back by another (`_moe_dispatch`). Dropless, unless `capacity_factor`
+      is given: then every expert takes `ceil(capacity_factor * tokens * top_k / num_experts)`
+      routes from each rank and drops the rest (counted in `route_counts(module)`).
+
     >>> ExpertParallel()
-    ExpertParallel(src_data_rank=0)
+    ExpertParallel(src_data_rank=0, tokens='replicated', capacity_factor=None)
     """
 
     src_data_rank: Optional[int] = 0
+    tokens: str = "replicated"
+    capacity_factor: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.tokens not in _TOKENS:
+            raise ValueError(f"ExpertParallel(tokens={self.tokens!r}): one of {_TOKENS} (\"split\" when each rank "
+                             f"holds its own tokens, \"replicated\" when every rank holds the same ones)")
+        factor = self.capacity_factor
+        if factor is not None:
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+                raise ValueError(f"ExpertParallel(capacity_factor={factor!r}): a number > 0 (1.0: an even share of "
+                                 f"the routes per expert), or None for dropless dispatch")
+            if self.tokens != "split":
+                raise ValueError(f"ExpertParallel(capacity_factor={factor!r}) pads the token dispatch: it needs "
+                                 f"tokens=\"split\" (replicated tokens are never dispatched)")
 
     def validate(self, module: nn.Module, device_mesh: AbstractMesh) -> list[str]:
         problems = super().validate(module, device_mesh)
@@ -86,6 +116,9 @@ class ExpertParallel(ParallelStyle):
         elif not problems and device_mesh.size() > getattr(module, "num_experts"):
             problems.append(f"ExpertParallel splits whole experts: {getattr(module, 'num_experts')} experts cannot "
                             f"cover {device_mesh.size()} ranks; use a smaller mesh dim for experts")
+        if not problems and self.tokens == "split" and device_mesh.ndim != 1:
+            problems.append(f"ExpertParallel(tokens=\"split\") dispatches over one mesh dim, got a {device_mesh.ndim}-D "
+                            f"mesh {device_mesh.shape}: pass the ep sub-mesh (mesh[\"ep\"])")
         return problems
 
     def param_layouts(self, module: nn.Module, device_mesh: AbstractMesh) -> Mapping[str, tuple[Placement, ...]]:
@@ -95,8 +128,92 @@ class ExpertParallel(ParallelStyle):
         for name in expert_parameters(module):
             place_parameter(module, name, (Shard(0),), device_mesh, src_data_rank=self.src_data_rank,
                             where=f"{type(module).__name__}.{name}")
-        run_own_experts(module, device_mesh, 0)
+        if self.tokens == "split":
+            dispatch_own_experts(module, device_mesh, self.capacity_factor)
+            placed = [(f"{type(module).__name__}.{n}", module._parameters[n]) for n in expert_parameters(module)]
+            registered = _Registered(device_mesh, [(n, p) for n, p in placed if p is not None], "ExpertParallel",
+                                     "avg (each expert's routes arrive from every ep rank; 1/ep on the way back)")
+            register(registered)
+            object.__setattr__(module, "_shardwise_reducer", registered)  # (the registry holds it weakly)
+        else:
+            run_own_experts(module, device_mesh, 0)
         return module
+
+
+_TOKENS = ("replicated", "split")
+
+
+def route_counts(module: nn.Module) -> RouteCounts:
+    """What the last forward of an experts module under `ExpertParallel(tokens="split")` routed on
+    this rank: routes sent, routes dropped (capacity form), routes kept per expert."""
+    found = getattr(module, "_shardwise_route_counts", None)
+    if not isinstance(found, RouteCounts):
+        raise ValueError(f"{type(module).__name__} does not dispatch tokens: apply ExpertParallel(tokens=\"split\") "
+                         f"to it first")
+    return found
+
+
+def dispatch_own_experts(module: nn.Module, mesh: DeviceMesh, capacity_factor: Optional[float]) -> None:
+    """Make `module` (its stacked parameters split by whole experts over 1-D `mesh`) take the
+    routes of this rank's tokens, send each to its expert's owner and bring the results home."""
+    names = expert_parameters(module)
+    total: int = getattr(module, "num_experts")
+    owner = type(module).__name__
+    ep = EpRanks.of(CpGroup(mesh.get_group(0), mesh.size(), mesh.get_local_rank(0), mesh.ranks_along(0), 0), total)
+    stats = RouteCounts()
+    object.__setattr__(module, "_shardwise_route_counts", stats)
+    agreed: set[int] = set()  # token counts every ep rank was found to hold
+    forward = module.forward
+
+    def run(routes: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        try:  # the module's own arithmetic, on its own experts, one route per row at weight 1
+            setattr(module, "num_experts", ep.mine)
+            with local_parameters(module, names, grad_scale=1.0 / ep.group.size):
+                out: torch.Tensor = forward(routes, experts.unsqueeze(-1), routes.new_ones((routes.shape[0], 1)))
+                if routes.shape[0] == 0:
+                    # no route reached this rank: its experts' gradients are zeros, and backward
+                    # still reaches the dispatch, whose transposed all_to_all every rank joins
+                    out = out + (routes.sum() + sum(getattr(module, n).sum() for n in names)) * 0
+        finally:
+            setattr(module, "num_experts", total)
+        return out
+
+    def experts_forward(*args: Any, **kwargs: Any) -> Any:
+        hidden_states, top_k_index, top_k_weights = _three_inputs(owner, args, kwargs)
+        for name, value in zip(_INPUTS, (hidden_states, top_k_index, top_k_weights)):
+            if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+                raise TypeError(f"ExpertParallel(tokens=\"split\") on {owner}: {name} must be this rank's own plain "
+                                f"tensor, got {type(value).__name__}; for tokens the same on every rank (tensor "
+                                f"parallelism) use ExpertParallel(tokens=\"replicated\")")
+        _check_routes(owner, hidden_states, top_k_index, top_k_weights, total)
+        if capacity_factor is None:
+            return dispatch_dropless(run, hidden_states, top_k_index, top_k_weights, ep, stats)
+        tokens = top_k_index.shape[0]
+        if tokens not in agreed:  # once per token count: every rank must pad to the same capacity
+            counts = [row[0] for row in comm.all_gather_ints([tokens], ep.group.group, ep.group.size)]
+            if len(set(counts)) != 1:
+                raise ValueError(f"ExpertParallel(tokens=\"split\", capacity_factor={capacity_factor}) on {owner}: the "
+                                 f"ep ranks {list(ep.group.ranks)} hold {counts} tokens; a capacity needs the same "
+                                 f"number on every rank (equal local batches), else use dropless dispatch "
+                                 f"(capacity_factor=None)")
+            agreed.add(tokens)
+        capacity = capacity_of(capacity_factor, tokens, top_k_index.shape[-1], total)
+        return dispatch_capacity(run, hidden_states, top_k_index, top_k_weights, ep, capacity, stats)
+
+    module.forward = experts_forward
+
+
+def _check_routes(owner: str, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, total: int) -> None:
+    if x.ndim != 2 or index.ndim != 2 or tuple(weights.shape) != tuple(index.shape) or index.shape[0] != x.shape[0]:
+        raise ValueError(f"ExpertParallel(tokens=\"split\") on {owner} reads hidden_states (tokens, hidden), "
+                         f"top_k_index and top_k_weights (tokens, top_k); got {tuple(x.shape)}, {tuple(index.shape)}, "
+                         f"{tuple(weights.shape)}: give it the router's output as the model computes it")
+    if index.dtype not in (torch.int64, torch.int32) or index.is_floating_point():
+        raise ValueError(f"ExpertParallel(tokens=\"split\") on {owner}: top_k_index must hold expert ids (int64), "
+                         f"got {index.dtype}")
+    if index.shape[-1] > total:
+        raise ValueError(f"ExpertParallel on {owner}: top_k={index.shape[-1]} is above the {total} experts: a route "
+                         f"per expert at most; lower num_experts_per_tok")
 
 
 def run_own_experts(module: nn.Module, mesh: DeviceMesh, mesh_dim: int) -> None:
@@ -111,10 +228,14 @@ def run_own_experts(module: nn.Module, mesh: DeviceMesh, mesh_dim: int) -> None:
     stop = first + count
     summed = tuple(Partial() if m == mesh_dim else Replicate() for m in range(mesh.ndim))
     forward = module.forward
+    checked: list[bool] = []  # the first call's tokens were found alike on every rank
 
     def experts_forward(*args: Any, **kwargs: Any) -> Any:
         hidden_states, top_k_index, top_k_weights = _three_inputs(type(module).__name__, args, kwargs)
         plain = not isinstance(hidden_states, DTensor)
+        if plain and not checked:
+            _check_replicated(type(module).__name__, hidden_states, top_k_index, mesh, mesh_dim)
+            checked.append(True)
         tokens = _summed_back(hidden_states, mesh, mesh_dim)
         weights = _summed_back(top_k_weights, mesh, mesh_dim)  # exact: one term per route
         index = top_k_index.full_tensor() if isinstance(top_k_index, DTensor) else top_k_index
@@ -138,6 +259,27 @@ def run_own_experts(module: nn.Module, mesh: DeviceMesh, mesh_dim: int) -> None:
         return whole.to_local() if plain else whole
 
     module.forward = experts_forward
+
+
+def _check_replicated(owner: str, x: Any, index: Any, mesh: DeviceMesh, mesh_dim: int) -> None:
+    """ValueError on every rank when the plain tokens given to the replicated form differ across
+    `mesh_dim` (each rank holding its own batch): a fingerprint of the first call, gathered once."""
+    if not isinstance(x, torch.Tensor) or x.is_meta or mesh.size(mesh_dim) == 1:
+        return
+    with torch.no_grad():
+        mine = torch.stack([torch.tensor(float(x.shape[0]), dtype=torch.float64), x.double().sum(),
+                            x.double().square().sum(), index.double().sum() if isinstance(index, torch.Tensor)
+                            else torch.zeros((), dtype=torch.float64)])
+    record = comm.AllGather(group=mesh.get_group(mesh_dim), size=mesh.size(mesh_dim), shape=(4,),
+                            dtype=torch.float64, tensor_dim=0, pieces=(4,) * mesh.size(mesh_dim),
+                            mesh_dims=(mesh_dim,))
+    rows = comm.run(record, mine).view(-1, 4).tolist()
+    if any(row != rows[0] for row in rows):
+        counts = [int(row[0]) for row in rows]
+        raise ValueError(
+            f"ExpertParallel(tokens=\"replicated\") on {owner}: the ranks {list(mesh.ranks_along(mesh_dim))} hold "
+            f"different tokens ({counts} of them); this form needs the same tokens on every rank (tensor "
+            f"parallelism). Where each rank holds its own batch, use ExpertParallel(tokens=\"split\") on the ep mesh")
 
 
 def experts_split_by_layout(model: nn.Module, layouts: Mapping[str, tuple[Placement, ...]]

@@ -29,9 +29,10 @@ __all__ = ["local_parameters"]
 
 @contextlib.contextmanager
 def local_parameters(module: nn.Module, names: Sequence[str],
-                     grad_placements: Optional[Sequence[Placement]] = None) -> Iterator[None]:
+                     grad_placements: Optional[Sequence[Placement]] = None, grad_scale: float = 1.0) -> Iterator[None]:
     """Inside the block, `module.<name>` is the local piece of that DTensor parameter (its
-    gradient flows back as `grad_placements`, default the parameter's own layout)."""
+    gradient flows back as `grad_placements`, default the parameter's own layout, times
+    `grad_scale`)."""
     held: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for name in names:
@@ -42,8 +43,23 @@ def local_parameters(module: nn.Module, names: Sequence[str],
                                 f"not a DTensor")
             held.append((slots, name, value))
             piece: torch.Tensor = value.to_local(grad_placements=grad_placements)
+            if grad_scale != 1.0:
+                piece = _ScaledGrad.apply(piece, grad_scale)  # type: ignore[no-untyped-call]
             slots[name] = piece
         yield
     finally:
         for slots, name, value in reversed(held):
             slots[name] = value
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """The identity, whose gradient is multiplied by `scale` on its way back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None

@@ -88,14 +88,16 @@ class ReplicateParallel(ParallelStyle):
 
 
 class _Registered:
-    """ReplicateParallel as the end-of-backward registry sees it: the reducer, at level `layout`,
-    of the parameters it placed (held weakly: a later wrapper that replaces them takes over)."""
+    """A style as the end-of-backward registry sees it: the reducer, at level `layout`, of the
+    parameters it placed (held weakly: a later wrapper that replaces them takes over).
+    ReplicateParallel sums over its mesh; ExpertParallel's token dispatch averages over ep."""
 
-    def __init__(self, mesh: DeviceMesh, params: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, mesh: DeviceMesh, params: list[tuple[str, torch.Tensor]], registrant: str = "ReplicateParallel",
+                 op: str = "sum") -> None:
         names = mesh.mesh_dim_names
         ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
         over = f"mesh dim {names[0]!r}" if names else "its 1-D mesh"
-        self.record = GradientReducer("ReplicateParallel", "layout", "sum", ranks, over, caller_place())
+        self.record = GradientReducer(registrant, "layout", op, ranks, over, caller_place())
         self.params = [(name, weakref.ref(p)) for name, p in params]
 
     def gradient_reducer(self) -> GradientReducer:

@@ -1,0 +1,159 @@
+"""Token dispatch: every route of this rank's tokens to the rank that owns its expert, and the results home.
+
+Under expert parallelism by token dispatch each rank of the ep group holds its own tokens
+(the ep ranks are data-parallel ranks) and a contiguous range of whole experts. A MoE layer
+then moves only what it must, the way torchtitan's and Megatron's all-to-all dispatchers do:
+
+| step | what | communication |
+|---|---|---|
+| sort | the (token, slot) routes by expert, so each owner's routes lie together | none |
+| counts | each owner learns how many routes each rank sends each of its experts | one all_to_all of `num_experts` ints |
+| dispatch | each route's hidden state to its expert's owner | one all_to_all of exact sizes |
+| experts | the module's own forward on the routes it received, grouped by expert (weight 1) | none |
+| combine | each result back to the rank its token lives on, weighted and summed per token | one all_to_all of exact sizes |
+
+The exchanged counts become the split sizes on the host: one synchronisation per layer
+(`capacity` is the form without it: every owner takes exactly `capacity` routes per expert
+from every rank, padded, so the sizes are known before the step; routes beyond it are
+dropped, counted, and weigh nothing, as one process that drops the same routes computes).
+Backward is the same two all_to_alls transposed, with the sizes kept from forward.
+
+An expert's parameters receive, through the dispatch, the gradient of every ep rank's loss:
+the sum half of data parallelism's average. Their gradient is scaled by `1 / ep` as it
+reaches them (`grad_scale`), so a step equals one process on the global batch, as data
+parallelism's average does for dense parameters; a reducer over the ranks that hold copies
+of the experts (a unit over the dp ranks ep does not use) then averages as for any parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .._layout import chunk_range
+from ._cp_comm import CpGroup, all_to_all_heads
+
+__all__ = ["EpRanks", "RouteCounts", "capacity_of", "dispatch_capacity", "dispatch_dropless"]
+
+RunExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (routes, local expert per route) -> outputs
+
+
+@dataclass(frozen=True)
+class EpRanks:
+    """The ep group (as `CpGroup`: process group, size, this rank's index, ranks, mesh dim)
+    and the experts each ep rank owns: `firsts[j]`, `counts[j]` (contiguous, uneven as
+    `torch.chunk`)."""
+
+    group: CpGroup
+    num_experts: int
+    firsts: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    @staticmethod
+    def of(group: CpGroup, num_experts: int) -> EpRanks:
+        ranges = [chunk_range(num_experts, group.size, j) for j in range(group.size)]
+        return EpRanks(group, num_experts, tuple(f for f, _ in ranges), tuple(c for _, c in ranges))
+
+    @property
+    def mine(self) -> int:
+        """How many experts this rank owns."""
+        return self.counts[self.group.rank]
+
+
+@dataclass
+class RouteCounts:
+    """What the last forward of a dispatched experts module routed, on this rank (tensors: reading
+    them is the caller's synchronisation): `routes` sent out, `dropped` (capacity form only),
+    and `per_expert`, the routes of this rank's tokens to each expert (kept ones)."""
+
+    routes: int = 0
+    dropped: Optional[torch.Tensor] = None
+    per_expert: Optional[torch.Tensor] = None
+    capacity: Optional[int] = None
+
+
+def _sorted_routes(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(route order sorted by expert, each sorted route's token, each sorted route's expert);
+    routes are (token, slot) in row-major order, kept in that order within an expert."""
+    k = index.shape[-1]
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, torch.div(order, k, rounding_mode="floor"), flat[order]
+
+
+def _per_expert(index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per expert (int64), without reading the ids on the host (`bincount` would, for its size)."""
+    flat = index.reshape(-1).to(torch.int64)
+    return torch.zeros(num_experts, dtype=torch.int64, device=index.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def _combine(home: torch.Tensor, order: torch.Tensor, token: torch.Tensor, weights: torch.Tensor,
+             tokens: int, like: torch.Tensor) -> torch.Tensor:
+    """Each token's weighted sum of its routes' results (in the model's own arithmetic: the
+    result times its weight, cast to the tokens' dtype, then added up)."""
+    w = weights.reshape(-1)[order]
+    weighted = (home * w.unsqueeze(-1)).to(like.dtype)
+    return like.new_zeros((tokens, like.shape[-1])).index_add(0, token, weighted)
+
+
+def dispatch_dropless(run: RunExperts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, ep: EpRanks,
+                      stats: RouteCounts) -> torch.Tensor:
+    """The experts' weighted sum for every token of `x` (tokens, hidden), routed by `index` /
+    `weights` (tokens, k), every route taken (see the module docstring)."""
+    g, p, mine = ep.group, ep.group.size, ep.mine
+    order, token, _ = _sorted_routes(index)
+    counts = _per_expert(index, ep.num_experts)
+    got = all_to_all_heads(counts, 0, 0, ep.counts, (mine,) * p, g)  # (p * mine): routes each rank sends my experts
+    sizes = torch.cat([counts, got]).tolist()  # the layer's one host synchronisation
+    send = tuple(sum(sizes[f:f + c]) for f, c in zip(ep.firsts, ep.counts))
+    arrived = sizes[ep.num_experts:]
+    recv = tuple(sum(arrived[i * mine:(i + 1) * mine]) for i in range(p))
+    routed = all_to_all_heads(x[token], 0, 0, send, recv, g)  # arrives by (source rank, expert)
+    n = routed.shape[0]
+    local = torch.repeat_interleave(torch.arange(mine, device=x.device).repeat(p),
+                                    torch.tensor(arrived, device=x.device), output_size=n)
+    by_expert = torch.argsort(local, stable=True)
+    out = run(routed[by_expert], local[by_expert])
+    back = torch.empty_like(by_expert)
+    back[by_expert] = torch.arange(n, device=x.device)
+    home = all_to_all_heads(out[back], 0, 0, recv, send, g)
+    stats.routes, stats.per_expert, stats.dropped, stats.capacity = int(index.numel()), counts, None, None
+    return _combine(home, order, token, weights, x.shape[0], x)
+
+
+def capacity_of(factor: float, tokens: int, k: int, num_experts: int) -> int:
+    """Routes each expert takes from each rank: `factor` times an even share, at least 1."""
+    return max(1, math.ceil(factor * tokens * k / num_experts))
+
+
+def dispatch_capacity(run: RunExperts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, ep: EpRanks,
+                      capacity: int, stats: RouteCounts) -> torch.Tensor:
+    """`dispatch_dropless` with every expert taking exactly `capacity` routes from every rank
+    (padded with zeros; routes beyond it dropped, in token order): sizes known in advance, no
+    host synchronisation."""
+    g, p, mine, e = ep.group, ep.group.size, ep.mine, ep.num_experts
+    order, token, expert = _sorted_routes(index)
+    counts = _per_expert(index, e)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(expert.numel(), device=x.device) - starts[expert]  # place within its expert
+    kept = slot < capacity
+    where = torch.where(kept, expert * capacity + slot, torch.full_like(slot, e * capacity))  # dropped: a spare row
+    buffer = x.new_zeros((e * capacity + 1, x.shape[-1])).index_copy(0, where, x[token])[:-1]
+    send = tuple(c * capacity for c in ep.counts)
+    routed = all_to_all_heads(buffer, 0, 0, send, (mine * capacity,) * p, g)  # (source, expert, slot)
+    by_expert = routed.view(p, mine, capacity, -1).transpose(0, 1).reshape(p * mine * capacity, -1)
+    local = torch.arange(mine, device=x.device).repeat_interleave(p * capacity)
+    out = run(by_expert, local)
+    by_source = out.view(mine, p, capacity, -1).transpose(0, 1).reshape(p * mine * capacity, -1)
+    home = all_to_all_heads(by_source, 0, 0, (mine * capacity,) * p, send, g)  # (expert, slot) here
+    home = torch.cat([home, home.new_zeros((1, home.shape[-1]))])[where]  # dropped routes: nothing
+    w = torch.where(kept, weights.reshape(-1)[order], torch.zeros((), dtype=weights.dtype, device=weights.device))
+    stats.routes, stats.capacity = int(index.numel()), capacity
+    stats.per_expert = torch.minimum(counts, torch.full_like(counts, capacity))
+    stats.dropped = (~kept).sum()
+    return _combine(home, torch.arange(w.numel(), device=x.device), token, w, x.shape[0], x)
+

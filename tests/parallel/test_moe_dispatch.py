@@ -1,0 +1,363 @@
+"""Expert parallelism by token dispatch on unchanged Hugging Face MoE models, against one process.
+
+Each rank of the ep group holds its own rows of the global batch (ep borrows the data-parallel
+ranks). `ExpertParallel(tokens="split")` sends every route to its expert's owner with one
+all_to_all and brings the results home with another; `data_parallel` averages the dense
+parameters. After 3 AdamW steps in float64 every parameter and the loss must equal one process
+stepping on the whole batch. The edge cases route by hand through one experts module.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise.debug import CommCounter, comm_log
+from shardwise.parallel import ExpertParallel, data_parallel, parallelize_module, route_counts
+from shardwise.testing import distributed
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32)
+MOE: dict[str, Callable[[], Any]] = {  # the eager experts: the model's own loop, which has float64 CPU kernels
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **SMALL, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager")),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **SMALL, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        experts_implementation="eager")),
+    # group-limited routing (2 groups, 1 chosen), one shared expert, the first layer dense
+    "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **SMALL, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        moe_intermediate_size=16, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, experts_implementation="eager")),
+    # biases on every expert, a clamped gated activation, experts called with other argument names
+    "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **SMALL, head_dim=8, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager")),
+}
+
+
+def _experts_paths(model: Any) -> list[str]:
+    return [path for path, m in model.named_modules() if path.endswith("mlp.experts")]
+
+
+def _loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The next-token loss in the model's dtype (transformers' own loss upcasts to float32, so a
+    float64 comparison computes it here)."""
+    logits = model(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+# DeepSeek-V3's router computes in float32 whatever the model's dtype (its linear casts both
+# sides): its weight's gradient is a float32 sum over the tokens. Each rank sums its own rows,
+# so against one process summing the whole batch at once it differs by float32 rounding (1e-7
+# relative, 2e-8 in the parameters after 3 steps), as any data parallelism would. One process
+# stepping on the same global batch in one backward per rank's rows (gradient accumulation:
+# the same sum, each block's float32 part as the ranks compute it) is the exact reference.
+FLOAT32_INSIDE = {"deepseek_v3"}
+
+
+def _reference_backward(model: Any, which: str, ids: torch.Tensor, ep: int) -> torch.Tensor:
+    """One process's loss on the global batch `ids`, its gradients accumulated."""
+    if which not in FLOAT32_INSIDE:
+        loss = _loss(model, ids)
+        loss.backward()
+        return loss.detach()
+    total = torch.zeros((), dtype=torch.float64)
+    for block in ids.chunk(ep):
+        loss = _loss(model, block) / ep
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _train(which: str, dtype: torch.dtype, ep: int, capacity_factor: Any = None) -> tuple[float, float]:
+    """(worst parameter difference, worst loss difference) from one process after 3 AdamW steps."""
+    torch.manual_seed(0)
+    reference = MOE[which]().to(dtype)
+    model = copy.deepcopy(reference)
+    mesh = sw.init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    style = ExpertParallel(tokens="split", capacity_factor=capacity_factor)
+    parallelize_module(model, mesh, {path: style for path in _experts_paths(model)})
+    data_parallel(model, mesh, dp_dim="ep")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    g = torch.Generator().manual_seed(1)
+    rank, worst_loss = dist.get_rank(), 0.0
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2 * ep, 8), generator=g)
+        whole = _reference_backward(reference, which, ids, ep)
+        opts[0].step()
+        opts[0].zero_grad()
+        loss = _loss(model, ids[2 * rank:2 * rank + 2])
+        loss.backward()
+        opts[1].step()
+        opts[1].zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        worst_loss = max(worst_loss, abs(mean.item() / ep - whole.item()))
+    worst = 0.0
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        full = q.full_tensor() if isinstance(q, sw.DTensor) else q
+        worst = max(worst, (full.detach() - p.detach()).abs().max().item())
+    return worst, worst_loss
+
+
+@pytest.mark.parametrize("which", sorted(MOE))
+@distributed(world_size=4)
+def test_token_dispatch_on_4_ranks_trains_like_one_process_on_the_global_batch(which: str) -> None:
+    worst, loss = _train(which, torch.float64, 4)
+    assert worst < 1e-10 and loss < 1e-10, (which, worst, loss)
+
+
+@pytest.mark.parametrize("which", ["mixtral", "deepseek_v3"])
+@distributed(world_size=2)
+def test_token_dispatch_on_2_ranks_trains_like_one_process_on_the_global_batch(which: str) -> None:
+    worst, loss = _train(which, torch.float64, 2)
+    assert worst < 1e-10 and loss < 1e-10, (which, worst, loss)
+
+
+@distributed(world_size=4)
+def test_token_dispatch_in_float32_keeps_the_loss_within_1e_5() -> None:
+    worst, loss = _train("qwen3_moe", torch.float32, 4)
+    assert loss < 1e-5, loss
+
+
+def _experts(num_experts: int) -> Any:
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = transformers.MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=num_experts,
+                                        experts_implementation="eager")
+    torch.manual_seed(0)
+    module = MixtralExperts(config).double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    return module
+
+
+def _routes(case: str, tokens: list[int], num_experts: int, k: int) -> tuple[list[Any], list[Any], list[Any]]:
+    """Every rank's (hidden states, expert ids, weights) for `case`; the same on every rank."""
+    g = torch.Generator().manual_seed(3)
+    xs, ids, ws = [], [], []
+    for r, t in enumerate(tokens):
+        x = torch.randn(t, 8, generator=g, dtype=torch.float64)
+        scores = torch.rand(t, num_experts, generator=g, dtype=torch.float64)
+        if case == "an expert no token reaches":
+            scores[:, num_experts - 1] = -1.0
+        if case == "every token to one expert":
+            scores[:, 1] = 2.0
+        w, i = torch.topk(scores, k, dim=-1)
+        xs.append(x), ids.append(i), ws.append(w / w.sum(-1, keepdim=True))
+    return xs, ids, ws
+
+
+CASES = {  # case -> (tokens per rank, experts, top_k)
+    "an expert no token reaches": ([5, 3, 4, 6], 4, 2),
+    "every token to one expert": ([5, 3, 4, 6], 4, 1),
+    "a rank that sends no route out": ([5, 0, 4, 6], 4, 2),
+    "experts uneven over the ranks": ([5, 3, 4, 6], 7, 2),  # 2, 2, 2 and 1 per rank
+    "fewer tokens than ranks": ([1, 0, 0, 1], 4, 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@distributed(world_size=4)
+def test_routing_edge_cases_match_one_process_outputs_and_gradients(case: str) -> None:
+    tokens, num_experts, k = CASES[case]
+    rank = dist.get_rank()
+    xs, ids, ws = _routes(case, tokens, num_experts, k)
+    reference = _experts(num_experts)
+    x_all = torch.cat(xs).requires_grad_()
+    w_all = torch.cat(ws).requires_grad_()
+    y_all = reference(x_all, torch.cat(ids), w_all)
+    dy = torch.randn(y_all.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    (y_all * dy).sum().div(4).backward()  # the mean over ranks of each rank's own loss
+
+    module = _experts(num_experts)
+    parallelize_module(module, sw.init_device_mesh("cpu", (4,), mesh_dim_names=("ep",)), ExpertParallel(tokens="split"))
+    start = sum(tokens[:rank])
+    rows = slice(start, start + tokens[rank])
+    x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+    y = module(x, ids[rank], w)
+    (y * dy[rows]).sum().backward()
+    assert (y - y_all[rows]).abs().max().item() < 1e-12 if tokens[rank] else y.shape == (0, 8)
+    assert (x.grad - 4 * x_all.grad[rows]).abs().max().item() < 1e-12 if tokens[rank] else True
+    assert (w.grad - 4 * w_all.grad[rows]).abs().max().item() < 1e-12 if tokens[rank] else True
+    for name, p in module.named_parameters():
+        q = dict(reference.named_parameters())[name]
+        assert p.grad is not None, (case, name)  # zeros where no route reached this rank's experts
+        assert (p.grad.full_tensor() - q.grad).abs().max().item() < 1e-12, (case, name)
+    assert route_counts(module).routes == tokens[rank] * k
+
+
+@distributed(world_size=4)
+def test_the_bytes_on_the_wire_are_the_routed_hidden_states_out_and_back_plus_the_counts() -> None:
+    tokens, num_experts, k = [5, 3, 4, 6], 4, 2
+    rank = dist.get_rank()
+    xs, ids, ws = _routes("bytes", tokens, num_experts, k)
+    module = _experts(num_experts)
+    parallelize_module(module, sw.init_device_mesh("cpu", (4,), mesh_dim_names=("ep",)), ExpertParallel(tokens="split"))
+    x = xs[rank].clone().requires_grad_()
+    with CommCounter(module) as counter:
+        module(x, ids[rank], ws[rank]).sum().backward()
+    owner = {e: e for e in range(4)}  # 4 experts on 4 ranks: expert e lives on rank e
+    sent_away = sum(1 for e in ids[rank].reshape(-1).tolist() if owner[e] != rank)
+    arrived = sum(1 for r in range(4) if r != rank for e in ids[r].reshape(-1).tolist() if owner[e] == rank)
+    route = 8 * 8  # a float64 hidden state of 8
+    bound = {"forward": route * (arrived + sent_away) + 8 * 3,  # + one int64 count from each other rank
+             "backward": route * (sent_away + arrived)}
+    got = {phase: sum(b for _, b in counter.totals(phase).values()) for phase in ("forward", "backward")}
+    assert got == bound, (got, bound)
+    kinds = {phase: {kind: n for kind, (n, _) in counter.totals(phase).items()} for phase in ("forward", "backward")}
+    assert kinds == {"forward": {"all_to_all": 3}, "backward": {"all_to_all": 2}}, kinds
+
+
+def _kept(index: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Which (token, slot) routes an expert taking `capacity` routes per rank keeps: the first ones
+    in token order."""
+    seen: dict[int, int] = {}
+    keep = torch.zeros(index.shape, dtype=torch.bool)
+    for t in range(index.shape[0]):
+        for s in range(index.shape[1]):
+            e = int(index[t, s])
+            seen[e] = seen.get(e, 0) + 1
+            keep[t, s] = seen[e] <= capacity
+    return keep
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 4.0])
+@distributed(world_size=4)
+def test_capacity_form_counts_its_drops_and_equals_one_process_dropping_the_same_routes(factor: float) -> None:
+    tokens, num_experts, k = [6, 6, 6, 6], 4, 2
+    rank = dist.get_rank()
+    xs, ids, ws = _routes("capacity", tokens, num_experts, k)
+    capacity = max(1, -(-int(factor * 6 * k) // num_experts))
+    keeps = [_kept(i, capacity) for i in ids]
+    reference = _experts(num_experts)
+    x_all = torch.cat(xs).requires_grad_()
+    w_all = torch.cat(ws).requires_grad_()
+    y_all = reference(x_all, torch.cat(ids), w_all * torch.cat(keeps))
+    dy = torch.randn(y_all.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    (y_all * dy).sum().div(4).backward()
+
+    module = _experts(num_experts)
+    parallelize_module(module, sw.init_device_mesh("cpu", (4,), mesh_dim_names=("ep",)),
+                       ExpertParallel(tokens="split", capacity_factor=factor))
+    rows = slice(6 * rank, 6 * rank + 6)
+    x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+    y = module(x, ids[rank], w)
+    (y * dy[rows]).sum().backward()
+    assert (y - y_all[rows]).abs().max().item() < 1e-12
+    assert (x.grad - 4 * x_all.grad[rows]).abs().max().item() < 1e-12
+    assert (w.grad - 4 * w_all.grad[rows]).abs().max().item() < 1e-12
+    for name, p in module.named_parameters():
+        assert (p.grad.full_tensor() - dict(reference.named_parameters())[name].grad).abs().max().item() < 1e-12
+    counts = route_counts(module)
+    assert counts.capacity == capacity and int(counts.dropped) == int((~keeps[rank]).sum())
+    assert (int(counts.dropped) > 0) == (factor < 4.0)
+
+
+@distributed(world_size=2)
+def test_capacity_form_refuses_ranks_holding_different_token_counts_on_every_rank() -> None:
+    module = _experts(4)
+    parallelize_module(module, sw.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)),
+                       ExpertParallel(tokens="split", capacity_factor=1.0))
+    t = 3 + dist.get_rank()
+    with pytest.raises(ValueError, match=r"MixtralExperts: the ep ranks \[0, 1\] hold \[3, 4\] tokens"):
+        module(torch.randn(t, 8, dtype=torch.float64), torch.zeros(t, 2, dtype=torch.int64),
+               torch.ones(t, 2, dtype=torch.float64))
+
+
+def test_bad_settings_name_the_value_and_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"capacity_factor=0.*a number > 0"):
+        ExpertParallel(tokens="split", capacity_factor=0)
+    with pytest.raises(ValueError, match=r"capacity_factor=-1.0.*a number > 0"):
+        ExpertParallel(tokens="split", capacity_factor=-1.0)
+    with pytest.raises(ValueError, match=r"pads the token dispatch: it needs tokens=\"split\""):
+        ExpertParallel(capacity_factor=1.0)
+    with pytest.raises(ValueError, match=r"tokens='local'.*one of \('replicated', 'split'\)"):
+        ExpertParallel(tokens="local")
+    with pytest.raises(ValueError, match=r"4 experts cannot cover 8 ranks"):
+        parallelize_module(_experts(4), sw.AbstractMesh((8,), ("ep",)), ExpertParallel(tokens="split"))
+
+
+@distributed(world_size=2)
+def test_a_router_output_the_style_cannot_read_is_refused_naming_the_module() -> None:
+    module = _experts(4)
+    parallelize_module(module, sw.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)), ExpertParallel(tokens="split"))
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"MixtralExperts: top_k=5 is above the 4 experts"):
+        module(x, torch.zeros(3, 5, dtype=torch.int64), torch.ones(3, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"MixtralExperts reads hidden_states \(tokens, hidden\).*got \(3, 8\), \(3, 2\), \(3, 1\)"):
+        module(x, torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"top_k_index must hold expert ids"):
+        module(x, torch.zeros(3, 2), torch.ones(3, 2, dtype=torch.float64))
+
+
+def _train_with_fully_shard(which: str, dp: int, ep: int) -> tuple[float, float]:
+    """ep borrowing part of the dp ranks, as torchtitan lays it out: the dp dim split into
+    (efsdp, ep); experts split over ep and fully_shard over efsdp, the dense layers fully_shard
+    over every dp rank. (worst parameter difference, worst loss difference) after 3 AdamW steps."""
+    from shardwise.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    reference = MOE[which]().double()
+    model = copy.deepcopy(reference)
+    mesh = sw.init_device_mesh("cpu", (dp,), mesh_dim_names=("dp_shard",))
+    moe = mesh.unflatten("dp_shard", (dp // ep, ep), ("efsdp", "ep"))
+    for path in _experts_paths(model):
+        experts = model.get_submodule(path)
+        parallelize_module(experts, moe["ep"], ExpertParallel(tokens="split"))
+        fully_shard(experts, mesh=moe["efsdp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    g = torch.Generator().manual_seed(1)
+    rank, worst_loss = dist.get_rank(), 0.0
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2 * dp, 8), generator=g)
+        whole = _reference_backward(reference, which, ids, dp)
+        opts[0].step()
+        opts[0].zero_grad()
+        loss = _loss(model, ids[2 * rank:2 * rank + 2])
+        loss.backward()
+        opts[1].step()
+        opts[1].zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        worst_loss = max(worst_loss, abs(mean.item() / dp - whole.item()))
+    worst = 0.0
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        full = q.full_tensor() if isinstance(q, sw.DTensor) else q
+        worst = max(worst, (full.detach() - p.detach()).abs().max().item())
+    return worst, worst_loss
+
+
+@pytest.mark.parametrize("which", ["mixtral", "deepseek_v3"])
+@distributed(world_size=4)
+def test_ep_2_over_4_dp_ranks_with_fully_shard_trains_like_one_process(which: str) -> None:
+    worst, loss = _train_with_fully_shard(which, 4, 2)
+    assert worst < 1e-10 and loss < 1e-10, (which, worst, loss)
+
+
+@distributed(world_size=4)
+def test_ep_4_with_fully_shard_over_the_dense_layers_trains_like_one_process() -> None:
+    worst, loss = _train_with_fully_shard("qwen3_moe", 4, 4)
+    assert worst < 1e-10 and loss < 1e-10, (worst, loss)
+
+
+@distributed(world_size=2)
+def test_the_replicated_form_given_each_ranks_own_tokens_raises_on_every_rank_naming_the_fix() -> None:
+    module = _experts(4)
+    parallelize_module(module, sw.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)), ExpertParallel())
+    g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own batch
+    x = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"tokens=\"replicated\"\) on MixtralExperts: the ranks \[0, 1\] hold "
+                                         r"different tokens.*use ExpertParallel\(tokens=\"split\"\)"):
+        module(x, torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2, dtype=torch.float64))
