@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.debug import CommCounter, comm_log
-from shardwise.parallel import ExpertParallel, data_parallel, parallelize_module, route_counts
+from shardwise.parallel import ExpertParallel, HFPlanner, data_parallel, parallelize_module, route_counts
 from shardwise.testing import distributed
 
 transformers = pytest.importorskip("transformers")
@@ -40,6 +40,9 @@ MOE: dict[str, Callable[[], Any]] = {  # the eager experts: the model's own loop
     "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
         **SMALL, head_dim=8, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager")),
 }
+
+
+BY_HF_PLAN = {"qwen3_moe", "gpt_oss"}  # the others name their experts' style by hand
 
 
 def _experts_paths(model: Any) -> list[str]:
@@ -82,8 +85,11 @@ def _train(which: str, dtype: torch.dtype, ep: int, capacity_factor: Any = None)
     reference = MOE[which]().to(dtype)
     model = copy.deepcopy(reference)
     mesh = sw.init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
-    style = ExpertParallel(tokens="split", capacity_factor=capacity_factor)
-    parallelize_module(model, mesh, {path: style for path in _experts_paths(model)})
+    if which in BY_HF_PLAN:  # the model's own expert-parallel plan (config.base_model_ep_plan)
+        parallelize_module(model, mesh, HFPlanner(plan="ep"))
+    else:
+        style = ExpertParallel(tokens="split", capacity_factor=capacity_factor)
+        parallelize_module(model, mesh, {path: style for path in _experts_paths(model)})
     data_parallel(model, mesh, dp_dim="ep")
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
     g = torch.Generator().manual_seed(1)
@@ -361,3 +367,15 @@ def test_the_replicated_form_given_each_ranks_own_tokens_raises_on_every_rank_na
     with pytest.raises(ValueError, match=r"tokens=\"replicated\"\) on MixtralExperts: the ranks \[0, 1\] hold "
                                          r"different tokens.*use ExpertParallel\(tokens=\"split\"\)"):
         module(x, torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2, dtype=torch.float64))
+
+
+def test_hf_planner_reads_the_models_expert_parallel_plan() -> None:
+    torch.manual_seed(0)
+    model = MOE["gpt_oss"]()
+    plan = HFPlanner(plan="ep").build_plan(model).plan
+    assert plan == {"model.layers.*.mlp.experts": ExpertParallel(tokens="split")}, plan
+    with pytest.raises(ValueError, match=r"HFPlanner\(plan='pp'\): \"tp\" .* or \"ep\""):
+        HFPlanner(plan="pp")
+    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM carries no expert-parallel plan \(model.ep_plan"):
+        HFPlanner(plan="ep").build_plan(dense)

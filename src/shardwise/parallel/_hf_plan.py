@@ -22,6 +22,14 @@ styles with the same layouts:
 | moe_tp_experts | an experts module | each rank computes its slice of every expert (the parameters' own entries split them), outputs summed |
 | replicate | anything | left plain: every rank holds all of it |
 
+MoE models carry a second plan for expert parallelism (`model.ep_plan`, the config's
+`base_model_ep_plan`); `HFPlanner(plan="ep")` reads it, for the ep mesh dim:
+
+| transformers style | on | shardwise |
+|---|---|---|
+| ep_dispatch_experts | an experts module | `ExpertParallel(tokens="split")`: whole experts per rank, routes by all_to_all |
+| grouped_gemm | an expert stack | (its module's style splits it by whole experts) |
+
 Like transformers (and `parallelize_module`), what the plan does not name stays plain: apply
 it with `parallelize_module(model, mesh, HFPlanner())`. A pattern that matches nothing in the
 model (a plan written for a larger family) is left out, as transformers skips it; a style
@@ -41,7 +49,7 @@ from torch import nn
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._tensor import DTensor
-from ._experts import _summed_back, _three_inputs
+from ._experts import ExpertParallel, _summed_back, _three_inputs
 from ._local_params import local_parameters
 from ._plan import PlanEntry, Sharder, ShardingPlan, ShardingPlanner, match
 from ._prepare import PrepareModuleOutput
@@ -66,6 +74,9 @@ _MODULE_STYLES: dict[str, Callable[[], Sharder]] = {
 }
 
 
+_OTHER_STYLES = ("moe_tp_experts", "ep_dispatch_experts", "grouped_gemm", "replicate")
+
+
 def _param_layout(style: str, name: str, ndim: int) -> Optional[tuple[Placement, ...]]:
     """The layout transformers' `style` gives a parameter of `ndim` dims (None: not a parameter style)."""
     if style == "colwise":
@@ -79,14 +90,15 @@ def _param_layout(style: str, name: str, ndim: int) -> Optional[tuple[Placement,
     return None
 
 
-def hf_tp_plan(model: nn.Module) -> dict[str, str]:
-    """The model's whole tensor-parallel plan, by transformers' names (empty if it has none)."""
-    plan = getattr(model, "tp_plan", None)  # transformers >= 5: the class's plan and its base model's, prefixed
+def hf_tp_plan(model: nn.Module, kind: str = "tp") -> dict[str, str]:
+    """The model's whole tensor-parallel (`kind="tp"`) or expert-parallel (`"ep"`) plan, by
+    transformers' names (empty if it has none)."""
+    plan = getattr(model, f"{kind}_plan", None)  # transformers >= 5: the class's plan and its base model's, prefixed
     if isinstance(plan, Mapping) and plan:
         return dict(plan)
-    found: dict[str, str] = dict(getattr(type(model), "_tp_plan", None) or {})
+    found: dict[str, str] = dict(getattr(type(model), f"_{kind}_plan", None) or {})
     config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None) or {}
+    base = getattr(config, f"base_model_{kind}_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     inner = prefix and isinstance(getattr(model, prefix, None), nn.Module)
     found.update({(f"{prefix}.{k}" if inner else k): v for k, v in base.items()})
@@ -108,14 +120,21 @@ class HFPlanner(ShardingPlanner):
     """
 
     overrides: Optional[Mapping[str, Union[str, Sharder, PlanEntry]]] = None
+    plan: str = "tp"
+
+    def __post_init__(self) -> None:
+        if self.plan not in ("tp", "ep"):
+            raise ValueError(f"HFPlanner(plan={self.plan!r}): \"tp\" (the model's tensor-parallel plan, for the tp mesh) "
+                             f"or \"ep\" (its expert-parallel plan, for the ep mesh)")
 
     def build_plan(self, module: nn.Module) -> ShardingPlan:
-        entries: dict[str, Any] = {**hf_tp_plan(module), **dict(self.overrides or {})}
+        entries: dict[str, Any] = {**hf_tp_plan(module, self.plan), **dict(self.overrides or {})}
         if not entries:
+            what = "tensor-parallel" if self.plan == "tp" else "expert-parallel"
             raise ValueError(
-                f"{type(module).__name__} carries no tensor-parallel plan (model.tp_plan / config.base_model_tp_plan): "
-                f"HFPlanner reads a Hugging Face model's own plan; give it entries through HFPlanner({{...}}) or use "
-                f"MegatronPlanner()"
+                f"{type(module).__name__} carries no {what} plan (model.{self.plan}_plan / "
+                f"config.base_model_{self.plan}_plan): HFPlanner reads a Hugging Face model's own plan; give it entries "
+                f"through HFPlanner({{...}}) or use MegatronPlanner()"
             )
         modules = [name for name, _ in module.named_modules()]
         params = dict(module.named_parameters(remove_duplicate=False))
@@ -127,8 +146,8 @@ class HFPlanner(ShardingPlanner):
                 continue
             param_hits = [n for n in params if match(key, n)]
             module_hits = [n for n in modules if match(key, n)]
-            if style == "replicate" or not (param_hits or module_hits):
-                continue  # every rank keeps all of it / a pattern for modules this model does not have
+            if style in ("replicate", "grouped_gemm") or not (param_hits or module_hits):
+                continue  # every rank keeps all of it / its experts module splits it / not in this model
             if param_hits:
                 layouts = {_param_layout(style, n, params[n].ndim) for n in param_hits}
                 if None in layouts or len(layouts) != 1:
@@ -138,11 +157,13 @@ class HFPlanner(ShardingPlanner):
                     plan[key] = layouts.pop()
             elif style == "moe_tp_experts":
                 plan[key] = _ExpertSlices()
+            elif style == "ep_dispatch_experts":
+                plan[key] = ExpertParallel(tokens="split")
             elif style in _MODULE_STYLES:
                 plan[key] = _MODULE_STYLES[style]()
             else:
                 problems.append(f"{key!r}: transformers' style {style!r} has no shardwise counterpart (known: "
-                                f"{', '.join(sorted([*_MODULE_STYLES, 'moe_tp_experts', 'replicate']))})")
+                                f"{', '.join(sorted([*_MODULE_STYLES, *_OTHER_STYLES]))})")
         if problems:
             raise ValueError(f"HFPlanner cannot apply {type(module).__name__}'s tensor-parallel plan:\n"
                              + "\n".join(f"  - {p}" for p in problems))
