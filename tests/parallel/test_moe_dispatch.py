@@ -379,3 +379,34 @@ def test_hf_planner_reads_the_models_expert_parallel_plan() -> None:
     dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
     with pytest.raises(ValueError, match=r"LlamaForCausalLM carries no expert-parallel plan \(model.ep_plan"):
         HFPlanner(plan="ep").build_plan(dense)
+
+
+@distributed(world_size=4)
+def test_ep_inside_the_stages_of_a_data_parallel_pipeline_trains_like_one_process() -> None:
+    # mesh (dp, pp): each stage's experts are split over its dp ranks, which route their own
+    # micro-batches; the pipe averages the dense gradients over dp and leaves the experts alone
+    from shardwise.pipeline import DistributedPipe, hf_loss, hf_sequential
+
+    torch.manual_seed(0)
+    reference = MOE["mixtral"]().double()
+    model = copy.deepcopy(reference)
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    for path in _experts_paths(model):
+        parallelize_module(model.get_submodule(path), mesh["dp"], ExpertParallel(tokens="split"))
+    layers = hf_sequential(model)
+    pipe = DistributedPipe(layers, [2, len(layers) - 2], mesh, schedule="1f1b", chunks=2, loss_fn=hf_loss(model))
+    opts = [torch.optim.AdamW(reference.parameters(), lr=1e-2), torch.optim.AdamW(pipe.parameters(), lr=1e-2)]
+    g = torch.Generator().manual_seed(1)
+    dp_rank = mesh.get_local_rank("dp")
+    for _ in range(3):
+        ids = torch.randint(0, 64, (8, 8), generator=g)
+        reference(input_ids=ids, labels=ids).loss.backward()
+        pipe.step(ids[4 * dp_rank:4 * dp_rank + 4], ids[4 * dp_rank:4 * dp_rank + 4])
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    mine = {id(p) for p in pipe.parameters()}
+    diffs = [((q.full_tensor() if isinstance(q, sw.DTensor) else q).detach() - p.detach()).abs().max().item()
+             for p, q in zip(reference.parameters(), model.parameters()) if id(q) in mine]
+    pipe.close()
+    assert diffs and max(diffs) < 1e-10, max(diffs)

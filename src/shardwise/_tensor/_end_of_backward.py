@@ -64,8 +64,8 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-__all__ = ["LEVELS", "PHASES", "GradientReducer", "Reducer", "Step", "arm", "caller_place", "disarm", "is_armed",
-           "register", "reducers_at", "registered", "unregister"]
+__all__ = ["LEVELS", "PHASES", "GradientReducer", "Reducer", "Step", "arm", "averaged_within_layout", "caller_place",
+           "disarm", "is_armed", "register", "reducers_at", "registered", "unregister"]
 
 PHASES = ("units", "layout", "replicas", "across", "checks")
 LEVELS = ("layout", "replicas", "across")
@@ -205,6 +205,14 @@ def reducers_at(level: str) -> dict[int, tuple[str, GradientReducer]]:
             for name, p in reducer.reduced_params():
                 out.setdefault(id(p), (name, record))
     return out
+
+
+def averaged_within_layout(param: torch.Tensor, ranks: Iterable[int]) -> bool:
+    """Whether `param`'s layout reducer already averages its gradient over exactly `ranks` (whole
+    experts per rank under token dispatch: every rank's tokens reach each expert): a data-parallel
+    average over those ranks must then leave it alone."""
+    found = reducers_at("layout").get(id(param))
+    return found is not None and found[1].op.startswith("avg") and set(found[1].ranks) == set(ranks)
 
 
 def register(reducer: Reducer, hint: str = "") -> None:

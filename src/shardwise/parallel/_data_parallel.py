@@ -52,7 +52,8 @@ from .._mesh import DeviceMesh
 from .._mesh import DryMesh, as_device_mesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._spec import DTensorSpec, TensorMeta
-from .._tensor import DTensor, GradientReducer, caller_place, deferred, reducers_at, register, unwatch_leaf
+from .._tensor import (DTensor, GradientReducer, averaged_within_layout, caller_place, deferred, register,
+                       unwatch_leaf)
 from .._layout import chunk_range
 from ..fsdp._param import TensorParallel, UnitParam
 from ..fsdp._zero import shard_by_units
@@ -281,12 +282,10 @@ def _store(
 
 
 def _experts_over_dp(p: DTensor, mesh: DeviceMesh, d: int) -> bool:
-    """Whether `p` is an expert stack that `ExpertParallel(tokens="split")` splits over exactly
-    the dp ranks: its gradient is already the average over them (token dispatch), so data
-    parallel neither places nor reduces it."""
-    found = reducers_at("layout").get(id(p))
-    return (found is not None and found[1].registrant == "ExpertParallel" and p.device_mesh.ndim == 1
-            and p.device_mesh.ranks_along(0) == mesh.ranks_along(d))
+    """Whether `p` is split over exactly the dp ranks by a layout whose reducer already averages
+    over them (an expert stack under `ExpertParallel(tokens="split")`): data parallel neither
+    places nor reduces it."""
+    return p.device_mesh.ndim == 1 and averaged_within_layout(p, mesh.ranks_along(d))
 
 
 def _make_pre_hook(state: _State, items: list[tuple[str, _Param]]) -> Any:

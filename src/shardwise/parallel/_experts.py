@@ -130,8 +130,8 @@ class ExpertParallel(ParallelStyle):
                             where=f"{type(module).__name__}.{name}")
         if self.tokens == "split":
             dispatch_own_experts(module, device_mesh, self.capacity_factor)
-            placed = [(f"{type(module).__name__}.{n}", module._parameters[n]) for n in expert_parameters(module)]
-            registered = _Registered(device_mesh, [(n, p) for n, p in placed if p is not None], "ExpertParallel",
+            placed = [(f"{type(module).__name__}.{n}", module, n) for n in expert_parameters(module)]
+            registered = _Registered(device_mesh, placed, "ExpertParallel",
                                      "avg (each expert's routes arrive from every ep rank; 1/ep on the way back)")
             register(registered)
             object.__setattr__(module, "_shardwise_reducer", registered)  # (the registry holds it weakly)

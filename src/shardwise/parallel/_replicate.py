@@ -61,13 +61,13 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         owners: list[tuple[nn.Module, list[str]]] = []
-        placed: list[tuple[str, torch.Tensor]] = []
+        placed: list[tuple[str, nn.Module, str]] = []
         for path, sub in module.named_modules():
             names = [k for k, p in sub._parameters.items() if p is not None]
             for k in names:
                 where = f"{type(module).__name__}{'.' + path if path else ''}.{k}"
                 place_parameter(sub, k, (Replicate(),), device_mesh, src_data_rank=self.src_data_rank, where=where)
-                placed.append((where, sub._parameters[k]))
+                placed.append((where, sub, k))
             if names:
                 owners.append((sub, names))
         registered = _Registered(device_mesh, placed)
@@ -89,19 +89,27 @@ class ReplicateParallel(ParallelStyle):
 
 class _Registered:
     """A style as the end-of-backward registry sees it: the reducer, at level `layout`, of the
-    parameters it placed (held weakly: a later wrapper that replaces them takes over).
-    ReplicateParallel sums over its mesh; ExpertParallel's token dispatch averages over ep."""
+    parameters it placed, found where it placed them (`(name, module, attribute)`, the module
+    held weakly). ReplicateParallel sums over its mesh; ExpertParallel's token dispatch averages
+    over ep. Not the parameters themselves: a weak reference on a parameter would stop
+    `module.to(...)` from swapping it in place, as it does for DTensor parameters."""
 
-    def __init__(self, mesh: DeviceMesh, params: list[tuple[str, torch.Tensor]], registrant: str = "ReplicateParallel",
+    def __init__(self, mesh: DeviceMesh, params: list[tuple[str, nn.Module, str]], registrant: str = "ReplicateParallel",
                  op: str = "sum") -> None:
         names = mesh.mesh_dim_names
         ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
         over = f"mesh dim {names[0]!r}" if names else "its 1-D mesh"
         self.record = GradientReducer(registrant, "layout", op, ranks, over, caller_place())
-        self.params = [(name, weakref.ref(p)) for name, p in params]
+        self.params = [(name, weakref.ref(owner), attr) for name, owner, attr in params]
 
     def gradient_reducer(self) -> GradientReducer:
         return self.record
 
     def reduced_params(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, p) for name, ref in self.params if (p := ref()) is not None]
+        found: list[tuple[str, torch.Tensor]] = []
+        for name, ref, attr in self.params:
+            owner = ref()
+            p = owner._parameters.get(attr) if owner is not None else None
+            if p is not None:
+                found.append((name, p))
+        return found

@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from .. import _comm as comm
 from .._placement import Replicate
-from .._tensor import DTensor, GradientReducer, Step, caller_place, from_local, register, unregister
+from .._tensor import (DTensor, GradientReducer, Step, averaged_within_layout, caller_place, from_local, register,
+                       unregister)
 from ._channels import Channel
 from ._guard import StepGuard
 from ._layout import PipeLayout
@@ -99,13 +100,18 @@ def pipe_gradients(layout: PipeLayout, groups: PipeGroups, wire: Wire, guard: St
     def every() -> list[tuple[str, nn.Parameter]]:
         return [(name, p) for name, p in local.named_parameters() if p.requires_grad]
 
+    def averaged() -> list[tuple[str, nn.Parameter]]:  # (whole experts per dp rank average through their dispatch)
+        assert layout.dp_dim is not None
+        dp_ranks = layout.stage_mesh.ranks_along(layout.dp_dim)
+        return [(name, p) for name, p in every() if not averaged_within_layout(p, dp_ranks)]
+
     found: list[tuple[PipeReducer, Step]] = []  # in phase order
     if groups.dp is not None and groups.dp_size > 1 and not layout.shard_parameters:
         assert layout.dp_dim is not None
         record = GradientReducer("DistributedPipe", "replicas", "avg", layout.stage_mesh.ranks_along(layout.dp_dim),
                                  f"mesh dim {layout.dp_dim!r}", where)
-        found.append((PipeReducer(record, every), _BucketedSum(
-            "replicas", every, groups.dp, groups.dp_size, "avg", bucket,
+        found.append((PipeReducer(record, averaged), _BucketedSum(
+            "replicas", averaged, groups.dp, groups.dp_size, "avg", bucket,
             f"rank {layout.rank}: averaging gradients over {layout.dp_dim!r}",
             "a rank of another data-parallel replica probably failed in this step")))
     cp = groups.cp if groups.cp is not None and groups.cp.size > 1 else None
