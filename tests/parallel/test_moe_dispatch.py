@@ -410,3 +410,34 @@ def test_ep_inside_the_stages_of_a_data_parallel_pipeline_trains_like_one_proces
              for p, q in zip(reference.parameters(), model.parameters()) if id(q) in mine]
     pipe.close()
     assert diffs and max(diffs) < 1e-10, max(diffs)
+
+
+@pytest.mark.parametrize("which", ["mixtral", "qwen3_moe"])
+@distributed(world_size=4)
+def test_ep_spanning_the_tp_ranks_of_a_dp_x_tp_mesh_trains_like_one_process(which: str) -> None:
+    # (dp 2, tp 2): attention split over tp by a torch-style plan, the dense parameters averaged
+    # over dp; the experts split over all 4 ranks, each tp rank dispatching half of its rows
+    from .test_hf_models import torch_style_plan
+
+    torch.manual_seed(0)
+    reference = MOE[which]().double()
+    model = copy.deepcopy(reference)
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {k: v for k, v in torch_style_plan(model).items() if not k.endswith("experts")}
+    parallelize_module(model, mesh["tp"], plan)
+    for path in _experts_paths(model):
+        parallelize_module(model.get_submodule(path), mesh, ExpertParallel(tokens=("split", "replicated")))
+    data_parallel(model, mesh, dp_dim="dp")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    g = torch.Generator().manual_seed(1)
+    dp_rank = mesh.get_local_rank("dp")
+    for _ in range(3):
+        ids = torch.randint(0, 64, (4, 7), generator=g)  # 2 rows of 7 tokens per dp rank: 7 split 4 / 3 over tp
+        _reference_backward(reference, which, ids, 2)
+        _loss(model, ids[2 * dp_rank:2 * dp_rank + 2]).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    worst = max(((q.full_tensor() if isinstance(q, sw.DTensor) else q).detach() - p.detach()).abs().max().item()
+                for p, q in zip(reference.parameters(), model.parameters()))
+    assert worst < 1e-10, (which, worst)

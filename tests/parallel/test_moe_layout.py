@@ -85,10 +85,13 @@ def _check_like_expert_parallel(base: str, n: int) -> None:
         print(f"\n{base} on ({n},): collectives per step, experts by layout {counts}, ExpertParallel {wanted}")
     assert worst <= 1e-10, worst
     assert all(got <= want + 2 for got, want in zip(counts, wanted)), (counts, wanted)
-    for counter in counters:  # each experts module: one all_reduce forward, tokens and weights summed back
+    for step, counter in enumerate(counters):  # each experts module: one all_reduce forward, tokens and weights summed back
         for i in range(2):
             passes = counter.to_dict().get(f"model.layers.{i}.mlp.experts", {})
-            assert set(passes.get("forward", {})) == {"all_reduce"}, passes
+            forward = dict(passes.get("forward", {}))
+            if step == 0 and "all_gather" in forward:  # plain tokens: their fingerprints compared once, the first call
+                assert forward.pop("all_gather")["count"] == 1, passes
+            assert set(forward) == {"all_reduce"}, passes
             assert passes["forward"]["all_reduce"]["count"] == 1, passes
             assert set(passes.get("backward", {})) <= {"all_reduce"}, passes  # no gather of any expert
 

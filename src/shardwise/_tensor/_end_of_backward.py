@@ -207,12 +207,12 @@ def reducers_at(level: str) -> dict[int, tuple[str, GradientReducer]]:
     return out
 
 
-def averaged_within_layout(param: torch.Tensor, ranks: Iterable[int]) -> bool:
-    """Whether `param`'s layout reducer already averages its gradient over exactly `ranks` (whole
-    experts per rank under token dispatch: every rank's tokens reach each expert): a data-parallel
-    average over those ranks must then leave it alone."""
-    found = reducers_at("layout").get(id(param))
-    return found is not None and found[1].op.startswith("avg") and set(found[1].ranks) == set(ranks)
+def averaged_within_layout(ranks: Iterable[int]) -> set[int]:
+    """The ids of the parameters whose layout reducer already averages their gradients over
+    `ranks` (and perhaps more: whole experts per rank under token dispatch, every rank's tokens
+    reaching each expert): a data-parallel average over those ranks must leave them alone."""
+    want = set(ranks)
+    return {i for i, (_, r) in reducers_at("layout").items() if r.op.startswith("avg") and want <= set(r.ranks)}
 
 
 def register(reducer: Reducer, hint: str = "") -> None:

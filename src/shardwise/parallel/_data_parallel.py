@@ -165,11 +165,14 @@ def _placed(module: nn.Module, device_mesh: DeviceMesh, d: int, shard_parameters
     problems: list[str] = []
     made: dict[int, _Param] = {}
     owners: dict[nn.Module, list[tuple[str, _Param]]] = {}
+    averaged = averaged_within_layout(device_mesh.ranks_along(d))  # e.g. experts under token dispatch
     for prefix, owner in module.named_modules():
         for attr, p in owner._parameters.items():
             if p is None:
                 continue
             name = f"{prefix}.{attr}" if prefix else attr
+            if id(p) in averaged:
+                continue  # whole experts per dp rank, averaged by their token dispatch: left as they are
             if id(p) not in made:
                 entry = _store(name, p, device_mesh, d, tp_mesh, shard_parameters, problems)
                 if entry is None:
@@ -222,8 +225,6 @@ def _store(
 ) -> Optional[_Param]:
     """The whole-mesh DTensor parameter for `p` (values from the first dp rank), or None after noting a problem."""
     rest = [i for i in range(mesh.ndim) if i != d]
-    if isinstance(p, DTensor) and _experts_over_dp(p, mesh, d):
-        return None  # whole experts per dp rank, averaged by their token dispatch: left as they are
     if isinstance(p, DTensor):
         if tp_mesh is None or p.device_mesh != tp_mesh:
             where = "plain tensors (the mesh is 1-D)" if tp_mesh is None else f"DTensors on {tp_mesh!r}"
@@ -279,13 +280,6 @@ def _store(
         p._spec.shard_order if isinstance(p, DTensor) else (),
         piece_shape,
     )
-
-
-def _experts_over_dp(p: DTensor, mesh: DeviceMesh, d: int) -> bool:
-    """Whether `p` is split over exactly the dp ranks by a layout whose reducer already averages
-    over them (an expert stack under `ExpertParallel(tokens="split")`): data parallel neither
-    places nor reduces it."""
-    return p.device_mesh.ndim == 1 and averaged_within_layout(p, mesh.ranks_along(d))
 
 
 def _make_pre_hook(state: _State, items: list[tuple[str, _Param]]) -> Any:

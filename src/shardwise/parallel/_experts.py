@@ -36,9 +36,10 @@ rank by rank (3e-8 relative, 2e-8 off one process after 4 AdamW steps in float64
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -49,10 +50,11 @@ from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate, Shard
 from .._tensor import DTensor
 from ._distribute import place_parameter
-from .._tensor import register
+from .._tensor import FINGERPRINT_WIDTH, fingerprint, register, same_fingerprint
 from ._cp_comm import CpGroup
 from ._local_params import local_parameters
-from ._moe_dispatch import EpRanks, RouteCounts, capacity_of, dispatch_capacity, dispatch_dropless
+from ._moe_dispatch import (EpRanks, RouteCounts, capacity_of, dispatch_capacity, dispatch_dropless, gather_rows,
+                            take_rows)
 from ._replicate import _Registered
 from ._style import ParallelStyle
 
@@ -85,27 +87,44 @@ class ExpertParallel(ParallelStyle):
       its result comes back by another (`_moe_dispatch`). Dropless, unless `capacity_factor`
       is given: then every expert takes `ceil(capacity_factor * tokens * top_k / num_experts)`
       routes from each rank and drops the rest (counted in `route_counts(module)`).
+    - one of those per mesh dim, e.g. `("split", "replicated")` on a (dp, tp) mesh: ep spans
+      every rank of the mesh; the tp ranks, which hold the same tokens, each dispatch their
+      share of the rows and gather the results after.
 
     >>> ExpertParallel()
     ExpertParallel(src_data_rank=0, tokens='replicated', capacity_factor=None)
     """
 
     src_data_rank: Optional[int] = 0
-    tokens: str = "replicated"
+    tokens: Union[str, tuple[str, ...]] = "replicated"
     capacity_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if self.tokens not in _TOKENS:
-            raise ValueError(f"ExpertParallel(tokens={self.tokens!r}): one of {_TOKENS} (\"split\" when each rank "
-                             f"holds its own tokens, \"replicated\" when every rank holds the same ones)")
+        given = (self.tokens,) if isinstance(self.tokens, str) else self.tokens
+        if not isinstance(given, tuple) or not given or any(t not in _TOKENS for t in given):
+            raise ValueError(f"ExpertParallel(tokens={self.tokens!r}): one of {_TOKENS}, or one per mesh dim (\"split\" "
+                             f"where each rank holds its own tokens, \"replicated\" where ranks hold the same ones)")
         factor = self.capacity_factor
         if factor is not None:
             if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
                 raise ValueError(f"ExpertParallel(capacity_factor={factor!r}): a number > 0 (1.0: an even share of "
                                  f"the routes per expert), or None for dropless dispatch")
-            if self.tokens != "split":
+            if not self.dispatches:
                 raise ValueError(f"ExpertParallel(capacity_factor={factor!r}) pads the token dispatch: it needs "
                                  f"tokens=\"split\" (replicated tokens are never dispatched)")
+
+    @property
+    def dispatches(self) -> bool:
+        """Whether tokens differ somewhere on the mesh, so routes travel by all_to_all."""
+        return "split" in ((self.tokens,) if isinstance(self.tokens, str) else self.tokens)
+
+    @property
+    def spans_mesh_dims(self) -> bool:
+        """Whether it says its tokens per mesh dim (then `parallelize_module` takes an n-D mesh)."""
+        return self.dispatches and not isinstance(self.tokens, str)
+
+    def _token_dims(self, ndim: int) -> tuple[str, ...]:
+        return (self.tokens,) * ndim if isinstance(self.tokens, str) else self.tokens
 
     def validate(self, module: nn.Module, device_mesh: AbstractMesh) -> list[str]:
         problems = super().validate(module, device_mesh)
@@ -116,27 +135,47 @@ class ExpertParallel(ParallelStyle):
         elif not problems and device_mesh.size() > getattr(module, "num_experts"):
             problems.append(f"ExpertParallel splits whole experts: {getattr(module, 'num_experts')} experts cannot "
                             f"cover {device_mesh.size()} ranks; use a smaller mesh dim for experts")
-        if not problems and self.tokens == "split" and device_mesh.ndim != 1:
-            problems.append(f"ExpertParallel(tokens=\"split\") dispatches over one mesh dim, got a {device_mesh.ndim}-D "
-                            f"mesh {device_mesh.shape}: pass the ep sub-mesh (mesh[\"ep\"])")
+        if not problems and self.dispatches:
+            dims = self._token_dims(device_mesh.ndim)
+            if len(dims) != device_mesh.ndim:
+                problems.append(f"ExpertParallel(tokens={self.tokens!r}) names {len(dims)} mesh dims; the mesh "
+                                f"{device_mesh.shape} has {device_mesh.ndim}: say \"split\" or \"replicated\" per dim")
+            elif dims.count("replicated") > 1:
+                problems.append(f"ExpertParallel(tokens={self.tokens!r}): at most one mesh dim of replicated tokens "
+                                f"(tensor parallelism's); flatten the others into it")
+            elif device_mesh.ndim > 1 and device_mesh.mesh_dim_names is None:
+                problems.append(f"ExpertParallel(tokens={self.tokens!r}) on a {device_mesh.ndim}-D mesh needs its dims "
+                                f"named (mesh_dim_names=): ep spans them flattened")
         return problems
 
     def param_layouts(self, module: nn.Module, device_mesh: AbstractMesh) -> Mapping[str, tuple[Placement, ...]]:
-        return {name: (Shard(0),) for name in expert_parameters(module)}
+        return {name: (Shard(0),) * (device_mesh.ndim if self.dispatches else 1) for name in expert_parameters(module)}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name in expert_parameters(module):
-            place_parameter(module, name, (Shard(0),), device_mesh, src_data_rank=self.src_data_rank,
-                            where=f"{type(module).__name__}.{name}")
-        if self.tokens == "split":
-            dispatch_own_experts(module, device_mesh, self.capacity_factor)
-            placed = [(f"{type(module).__name__}.{n}", module, n) for n in expert_parameters(module)]
-            registered = _Registered(device_mesh, placed, "ExpertParallel",
-                                     "avg (each expert's routes arrive from every ep rank; 1/ep on the way back)")
-            register(registered)
-            object.__setattr__(module, "_shardwise_reducer", registered)  # (the registry holds it weakly)
-        else:
+        if not self.dispatches:
+            for name in expert_parameters(module):
+                place_parameter(module, name, (Shard(0),), device_mesh, src_data_rank=self.src_data_rank,
+                                where=f"{type(module).__name__}.{name}")
             run_own_experts(module, device_mesh, 0)
+            return module
+        dims = self._token_dims(device_mesh.ndim)
+        names = device_mesh.mesh_dim_names or ("ep",)
+        ep_mesh = device_mesh if device_mesh.ndim == 1 else device_mesh._flatten("_".join(names))
+        for name in expert_parameters(module):  # whole experts over every rank of the mesh, row-major
+            place_parameter(module, name, (Shard(0),), ep_mesh, src_data_rank=self.src_data_rank,
+                            where=f"{type(module).__name__}.{name}")
+        rows = None
+        if "replicated" in dims:  # those ranks hold the same tokens: each dispatches its share of the rows
+            d = dims.index("replicated")
+            rows = CpGroup(device_mesh.get_group(d), device_mesh.size(d), device_mesh.get_local_rank(d),
+                           device_mesh.ranks_along(d), d)
+        differ = math.prod(s for s, t in zip(device_mesh.shape, dims) if t == "split")
+        dispatch_own_experts(module, ep_mesh, self.capacity_factor, rows, 1.0 / differ)
+        placed = [(f"{type(module).__name__}.{n}", module, n) for n in expert_parameters(module)]
+        registered = _Registered(ep_mesh, placed, "ExpertParallel",
+                                 f"avg (each expert's routes arrive from every ep rank; 1/{differ} on the way back)")
+        register(registered)
+        object.__setattr__(module, "_shardwise_reducer", registered)  # (the registry holds it weakly)
         return module
 
 
@@ -153,9 +192,12 @@ def route_counts(module: nn.Module) -> RouteCounts:
     return found
 
 
-def dispatch_own_experts(module: nn.Module, mesh: DeviceMesh, capacity_factor: Optional[float]) -> None:
+def dispatch_own_experts(module: nn.Module, mesh: DeviceMesh, capacity_factor: Optional[float],
+                         rows: Optional[CpGroup], grad_scale: float) -> None:
     """Make `module` (its stacked parameters split by whole experts over 1-D `mesh`) take the
-    routes of this rank's tokens, send each to its expert's owner and bring the results home."""
+    routes of this rank's tokens (its share of the rows the ranks of `rows` hold alike), send
+    each to its expert's owner and bring the results home; the experts' gradients are scaled by
+    `grad_scale` (1 over the ranks whose tokens differ)."""
     names = expert_parameters(module)
     total: int = getattr(module, "num_experts")
     owner = type(module).__name__
@@ -168,7 +210,7 @@ def dispatch_own_experts(module: nn.Module, mesh: DeviceMesh, capacity_factor: O
     def run(routes: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         try:  # the module's own arithmetic, on its own experts, one route per row at weight 1
             setattr(module, "num_experts", ep.mine)
-            with local_parameters(module, names, grad_scale=1.0 / ep.group.size):
+            with local_parameters(module, names, grad_scale=grad_scale):
                 out: torch.Tensor = forward(routes, experts.unsqueeze(-1), routes.new_ones((routes.shape[0], 1)))
                 if routes.shape[0] == 0:
                     # no route reached this rank: its experts' gradients are zeros, and backward
@@ -186,6 +228,12 @@ def dispatch_own_experts(module: nn.Module, mesh: DeviceMesh, capacity_factor: O
                                 f"tensor, got {type(value).__name__}; for tokens the same on every rank (tensor "
                                 f"parallelism) use ExpertParallel(tokens=\"replicated\")")
         _check_routes(owner, hidden_states, top_k_index, top_k_weights, total)
+        if rows is None:
+            return routed(hidden_states, top_k_index, top_k_weights)
+        mine = routed(take_rows(hidden_states, rows), take_rows(top_k_index, rows), take_rows(top_k_weights, rows))
+        return gather_rows(mine, hidden_states.shape[0], rows)
+
+    def routed(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if capacity_factor is None:
             return dispatch_dropless(run, hidden_states, top_k_index, top_k_weights, ep, stats)
         tokens = top_k_index.shape[0]
@@ -263,19 +311,14 @@ def run_own_experts(module: nn.Module, mesh: DeviceMesh, mesh_dim: int) -> None:
 
 def _check_replicated(owner: str, x: Any, index: Any, mesh: DeviceMesh, mesh_dim: int) -> None:
     """ValueError on every rank when the plain tokens given to the replicated form differ across
-    `mesh_dim` (each rank holding its own batch): a fingerprint of the first call, gathered once."""
+    `mesh_dim` (each rank holding its own batch): fingerprints of the first call, gathered once."""
     if not isinstance(x, torch.Tensor) or x.is_meta or mesh.size(mesh_dim) == 1:
         return
-    with torch.no_grad():
-        mine = torch.stack([torch.tensor(float(x.shape[0]), dtype=torch.float64), x.double().sum(),
-                            x.double().square().sum(), index.double().sum() if isinstance(index, torch.Tensor)
-                            else torch.zeros((), dtype=torch.float64)])
-    record = comm.AllGather(group=mesh.get_group(mesh_dim), size=mesh.size(mesh_dim), shape=(4,),
-                            dtype=torch.float64, tensor_dim=0, pieces=(4,) * mesh.size(mesh_dim),
-                            mesh_dims=(mesh_dim,))
-    rows = comm.run(record, mine).view(-1, 4).tolist()
-    if any(row != rows[0] for row in rows):
-        counts = [int(row[0]) for row in rows]
+    mine = fingerprint(x) + (fingerprint(index) if isinstance(index, torch.Tensor) else [])
+    rows = comm.all_gather_ints(mine, mesh.get_group(mesh_dim), mesh.size(mesh_dim))
+    w = FINGERPRINT_WIDTH
+    if any(not all(same_fingerprint(row[k:k + w], rows[0][k:k + w]) for k in range(0, len(mine), w)) for row in rows):
+        counts = [row[1] for row in rows]  # (a fingerprint starts with the number of dims, then the shape)
         raise ValueError(
             f"ExpertParallel(tokens=\"replicated\") on {owner}: the ranks {list(mesh.ranks_along(mesh_dim))} hold "
             f"different tokens ({counts} of them); this form needs the same tokens on every rank (tensor "

@@ -23,6 +23,11 @@ the sum half of data parallelism's average. Their gradient is scaled by `1 / ep`
 reaches them (`grad_scale`), so a step equals one process on the global batch, as data
 parallelism's average does for dense parameters; a reducer over the ranks that hold copies
 of the experts (a unit over the dp ranks ep does not use) then averages as for any parameter.
+
+Where the ranks of one mesh dim hold the same tokens (tensor parallelism) and ep spans them
+too, each takes its share of the rows before the dispatch (`take_rows`) and the shares are
+gathered after (`gather_rows`); every token then travels once, from one rank, and the scale
+is 1 over the ranks whose tokens differ.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ from typing import Any, Optional
 import torch
 
 from .._layout import chunk_range
-from ._cp_comm import CpGroup, all_to_all_heads
+from ._cp_comm import CpGroup, all_to_all_heads, gather_pieces
 
-__all__ = ["EpRanks", "RouteCounts", "capacity_of", "dispatch_capacity", "dispatch_dropless"]
+__all__ = ["EpRanks", "RouteCounts", "capacity_of", "dispatch_capacity", "dispatch_dropless", "gather_rows",
+           "take_rows"]
 
 RunExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (routes, local expert per route) -> outputs
 
@@ -157,3 +163,54 @@ def dispatch_capacity(run: RunExperts, x: torch.Tensor, index: torch.Tensor, wei
     stats.dropped = (~kept).sum()
     return _combine(home, torch.arange(w.numel(), device=x.device), token, w, x.shape[0], x)
 
+
+
+# -- tokens the same on some ranks (tensor parallelism): each takes its rows before dispatch -----------
+
+def _rows(tokens: int, rows: CpGroup) -> tuple[tuple[int, ...], int, int]:
+    """(rows per rank of `rows`, this rank's first row, its count): uneven as `torch.chunk`."""
+    pieces = tuple(chunk_range(tokens, rows.size, j)[1] for j in range(rows.size))
+    start, count = chunk_range(tokens, rows.size, rows.rank)
+    return pieces, start, count
+
+
+class _TakeRows(torch.autograd.Function):
+    """This rank's rows of a tensor every rank of `rows` holds alike; the gradient of the whole is
+    every rank's rows' gradient, gathered (the others' rows took their routes elsewhere)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rows: CpGroup) -> torch.Tensor:
+        pieces, start, count = _rows(x.shape[0], rows)
+        ctx.pieces, ctx.rows = pieces, rows
+        return x.narrow(0, start, count)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return gather_pieces(grad.contiguous(), 0, ctx.pieces, ctx.rows), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's rows laid back together; the gradient (the same on every rank of `rows`, as
+    for any activation tensor parallelism keeps whole) is cut to this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, pieces: tuple[int, ...], rows: CpGroup) -> torch.Tensor:
+        ctx.start = sum(pieces[:rows.rank])
+        ctx.count = pieces[rows.rank]
+        return gather_pieces(y.contiguous(), 0, pieces, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.narrow(0, ctx.start, ctx.count), None, None
+
+
+def take_rows(x: torch.Tensor, rows: CpGroup) -> torch.Tensor:
+    """This rank's share of the rows of `x` (the same on every rank of `rows`)."""
+    out: torch.Tensor = _TakeRows.apply(x, rows)  # type: ignore[no-untyped-call]
+    return out
+
+
+def gather_rows(y: torch.Tensor, tokens: int, rows: CpGroup) -> torch.Tensor:
+    """Every rank's share of `tokens` rows (`take_rows`' pieces), laid together on every rank."""
+    out: torch.Tensor = _GatherRows.apply(y, _rows(tokens, rows)[0], rows)  # type: ignore[no-untyped-call]
+    return out

@@ -192,7 +192,7 @@ def parallelize_module(
     fix (`ReplicateParallel`), not a silent drift.
     """
     mesh = _mesh(device_mesh, "parallelize_module")
-    if mesh.ndim != 1:
+    if mesh.ndim != 1 and not _spans_mesh_dims(parallelize_plan):
         names = f" with dims {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
         raise ValueError(
             f"parallelize_module takes a 1-D mesh, got shape {mesh.shape}{names}: pass the tensor-parallel "
@@ -219,6 +219,13 @@ def parallelize_module(
         )
     styles = {k: _with_src(v, src_data_rank) for k, v in styles.items()}
     return shard_module(module, ShardingPlan(styles), mesh, src_data_rank=src_data_rank, replicate_rest=replicate_rest)
+
+
+def _spans_mesh_dims(plan: Any) -> bool:
+    """Whether every style of `plan` reads an n-D mesh as a whole (expert parallelism by token
+    dispatch with tokens said per mesh dim), so an n-D mesh is no mistake for a tp sub-mesh."""
+    styles = list(plan.values()) if isinstance(plan, Mapping) else [plan]
+    return bool(styles) and all(getattr(s, "spans_mesh_dims", False) for s in styles)
 
 
 def _with_src(style: Sharder, src_data_rank: Optional[int]) -> Sharder:

@@ -133,7 +133,7 @@ class ParallelStyle(Sharder):
         return self._apply(module, device_mesh)
 
     def validate(self, module: nn.Module, device_mesh: AbstractMesh) -> list[str]:
-        if device_mesh.ndim != 1:
+        if device_mesh.ndim != 1 and not getattr(self, "spans_mesh_dims", False):
             names = f" with dims {device_mesh.mesh_dim_names}" if device_mesh.mesh_dim_names else ""
             return [
                 f"{type(self).__name__} needs a 1-D mesh, got shape {device_mesh.shape}{names}: pass the "

@@ -102,8 +102,8 @@ def pipe_gradients(layout: PipeLayout, groups: PipeGroups, wire: Wire, guard: St
 
     def averaged() -> list[tuple[str, nn.Parameter]]:  # (whole experts per dp rank average through their dispatch)
         assert layout.dp_dim is not None
-        dp_ranks = layout.stage_mesh.ranks_along(layout.dp_dim)
-        return [(name, p) for name, p in every() if not averaged_within_layout(p, dp_ranks)]
+        skip = averaged_within_layout(layout.stage_mesh.ranks_along(layout.dp_dim))
+        return [(name, p) for name, p in every() if id(p) not in skip]
 
     found: list[tuple[PipeReducer, Step]] = []  # in phase order
     if groups.dp is not None and groups.dp_size > 1 and not layout.shard_parameters:
