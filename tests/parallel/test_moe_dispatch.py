@@ -286,7 +286,7 @@ def test_bad_settings_name_the_value_and_the_fix() -> None:
         ExpertParallel(tokens="split", capacity_factor=-1.0)
     with pytest.raises(ValueError, match=r"pads the token dispatch: it needs tokens=\"split\""):
         ExpertParallel(capacity_factor=1.0)
-    with pytest.raises(ValueError, match=r"tokens='local'.*one of \('replicated', 'split'\)"):
+    with pytest.raises(ValueError, match=r"tokens='local'.*one of \('replicated', 'split', 'sequence'\)"):
         ExpertParallel(tokens="local")
     with pytest.raises(ValueError, match=r"4 experts cannot cover 8 ranks"):
         parallelize_module(_experts(4), sw.AbstractMesh((8,), ("ep",)), ExpertParallel(tokens="split"))
@@ -441,3 +441,28 @@ def test_ep_spanning_the_tp_ranks_of_a_dp_x_tp_mesh_trains_like_one_process(whic
     worst = max(((q.full_tensor() if isinstance(q, sw.DTensor) else q).detach() - p.detach()).abs().max().item()
                 for p, q in zip(reference.parameters(), model.parameters()))
     assert worst < 1e-10, (which, worst)
+
+
+@pytest.mark.parametrize("seq", [32, 30], ids=["32", "30-uneven"])
+@distributed(world_size=4)
+def test_ep_over_the_cp_ranks_of_a_context_parallel_model_equals_one_process(seq: int) -> None:
+    # ContextParallel: the whole sequence on every rank, each computing its piece; the MoE layers
+    # see each rank's own tokens, dispatched over the cp ranks; gradients are shares of one loss
+    from shardwise.experimental import set_load_balance, set_rotate_method
+    from shardwise.parallel import ContextParallel
+
+    set_rotate_method("allgather")
+    set_load_balance(True)
+    torch.manual_seed(0)
+    reference = MOE["mixtral"]().double()
+    model = copy.deepcopy(reference)
+    ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(1))
+    reference(input_ids=ids, labels=ids).loss.backward()  # (the model's own loss: the style splits its labels)
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    for path in _experts_paths(model):
+        parallelize_module(model.get_submodule(path), mesh, ExpertParallel(tokens="sequence"))
+    parallelize_module(model, mesh, ContextParallel())
+    model(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, sw.DTensor) else p.grad
+        assert (grad - r.grad).abs().max().item() < 1e-10, name

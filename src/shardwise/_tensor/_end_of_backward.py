@@ -207,12 +207,13 @@ def reducers_at(level: str) -> dict[int, tuple[str, GradientReducer]]:
     return out
 
 
-def averaged_within_layout(ranks: Iterable[int]) -> set[int]:
-    """The ids of the parameters whose layout reducer already averages their gradients over
-    `ranks` (and perhaps more: whole experts per rank under token dispatch, every rank's tokens
-    reaching each expert): a data-parallel average over those ranks must leave them alone."""
+def averaged_within_layout(ranks: Iterable[int], ops: tuple[str, ...] = ("avg",)) -> set[int]:
+    """The ids of the parameters whose layout reducer already combines their gradients over
+    `ranks` (and perhaps more) by one of `ops`: whole experts per rank under token dispatch,
+    every rank's tokens reaching each expert. A data-parallel average (or a context-parallel
+    sum, `ops=("avg", "sum")`) over those ranks must leave them alone."""
     want = set(ranks)
-    return {i for i, (_, r) in reducers_at("layout").items() if r.op.startswith("avg") and want <= set(r.ranks)}
+    return {i for i, (_, r) in reducers_at("layout").items() if r.op.startswith(ops) and want <= set(r.ranks)}
 
 
 def register(reducer: Reducer, hint: str = "") -> None:

@@ -55,7 +55,7 @@ from torch import nn
 from .. import _comm as comm
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate
-from .._tensor import DTensor, GroupSum, caller_place, reducers_at
+from .._tensor import DTensor, GroupSum, averaged_within_layout, caller_place, reducers_at
 from ._context_parallel import cp_group, split_sequence
 from ._cp_attention import CpAttention
 from ._cp_comm import CpGroup
@@ -250,7 +250,9 @@ class _Runner:
         covered = {id(p) for _, p in slots if id(p) in owners and want <= set(owners[id(p)][1].ranks)}
         self.scale = float(self.cp.size) if covered else 1.0
         self.sums = self._sums(self.scale)
-        self.sums.take([(n, p) for n, p in slots if id(p) not in covered], _HINT)  # (refused: asked again next call)
+        # whole experts per rank, whose token dispatch already gathers every cp rank's share
+        dispatched = averaged_within_layout(self.cp.ranks, ("avg", "sum"))
+        self.sums.take([(n, p) for n, p in slots if id(p) not in covered | dispatched], _HINT)  # (refused: asked again)
         self.hooked = key
 
     def _sums(self, scale: float) -> GroupSum:

@@ -87,6 +87,9 @@ class ExpertParallel(ParallelStyle):
       its result comes back by another (`_moe_dispatch`). Dropless, unless `capacity_factor`
       is given: then every expert takes `ceil(capacity_factor * tokens * top_k / num_experts)`
       routes from each rank and drops the rest (counted in `route_counts(module)`).
+    - `"sequence"`: each rank holds its own piece of every sequence (context parallelism):
+      dispatched as `"split"`, but the ranks' gradients are shares of one loss, summed, not
+      averaged (an expert's gradient is not scaled).
     - one of those per mesh dim, e.g. `("split", "replicated")` on a (dp, tp) mesh: ep spans
       every rank of the mesh; the tp ranks, which hold the same tokens, each dispatch their
       share of the rows and gather the results after.
@@ -116,7 +119,8 @@ class ExpertParallel(ParallelStyle):
     @property
     def dispatches(self) -> bool:
         """Whether tokens differ somewhere on the mesh, so routes travel by all_to_all."""
-        return "split" in ((self.tokens,) if isinstance(self.tokens, str) else self.tokens)
+        given = (self.tokens,) if isinstance(self.tokens, str) else self.tokens
+        return "split" in given or "sequence" in given
 
     @property
     def spans_mesh_dims(self) -> bool:
@@ -169,17 +173,18 @@ class ExpertParallel(ParallelStyle):
             d = dims.index("replicated")
             rows = CpGroup(device_mesh.get_group(d), device_mesh.size(d), device_mesh.get_local_rank(d),
                            device_mesh.ranks_along(d), d)
-        differ = math.prod(s for s, t in zip(device_mesh.shape, dims) if t == "split")
+        differ = math.prod(s for s, t in zip(device_mesh.shape, dims) if t == "split")  # data-parallel replicas
         dispatch_own_experts(module, ep_mesh, self.capacity_factor, rows, 1.0 / differ)
         placed = [(f"{type(module).__name__}.{n}", module, n) for n in expert_parameters(module)]
+        how = f"avg (1/{differ} on the way back)" if "split" in dims else "sum (shares of one loss)"
         registered = _Registered(ep_mesh, placed, "ExpertParallel",
-                                 f"avg (each expert's routes arrive from every ep rank; 1/{differ} on the way back)")
+                                 f"{how}: each expert's routes arrive from every ep rank")
         register(registered)
         object.__setattr__(module, "_shardwise_reducer", registered)  # (the registry holds it weakly)
         return module
 
 
-_TOKENS = ("replicated", "split")
+_TOKENS = ("replicated", "split", "sequence")
 
 
 def route_counts(module: nn.Module) -> RouteCounts:
