@@ -466,3 +466,49 @@ def test_ep_over_the_cp_ranks_of_a_context_parallel_model_equals_one_process(seq
     for (name, p), r in zip(model.named_parameters(), reference.parameters()):
         grad = p.grad.full_tensor() if isinstance(p.grad, sw.DTensor) else p.grad
         assert (grad - r.grad).abs().max().item() < 1e-10, name
+
+
+@distributed(world_size=4)
+def test_deepseek_aux_loss_free_bias_equals_one_process_after_every_step() -> None:
+    # the bias moves by the load of the global batch: counts summed over the ep ranks, once a step
+    from shardwise.parallel import ExpertLoadBalancer
+
+    torch.manual_seed(0)
+    reference = MOE["deepseek_v3"]().double()
+    model = copy.deepcopy(reference)
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    parallelize_module(model, mesh, {path: ExpertParallel(tokens="split") for path in _experts_paths(model)})
+    data_parallel(model, mesh, dp_dim="ep")
+    balancers = [ExpertLoadBalancer(reference, coeff=0.05), ExpertLoadBalancer(model, coeff=0.05, mesh=mesh)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    g = torch.Generator().manual_seed(1)
+    rank = dist.get_rank()
+    biases = lambda m: [b for n, b in m.named_buffers() if n.endswith("e_score_correction_bias")]  # noqa: E731
+    moved = False
+    for _ in range(5):
+        ids = torch.randint(0, 64, (8, 8), generator=g)
+        _reference_backward(reference, "deepseek_v3", ids, 4)
+        _loss(model, ids[2 * rank:2 * rank + 2]).backward()
+        loads = [b.step() for b in balancers]
+        assert all(torch.equal(a, b) for a, b in zip(*loads)), loads
+        assert [int(x.sum()) for x in loads[0]] == [8 * 8 * 2]  # every token's 2 routes, in the one MoE layer
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for want, got in zip(biases(reference), biases(model)):
+            assert torch.equal(want, got), (want, got)
+            moved = moved or bool(want.abs().sum() > 0)
+    assert moved
+    worst = max(((q.full_tensor() if isinstance(q, sw.DTensor) else q).detach() - p.detach()).abs().max().item()
+                for p, q in zip(reference.parameters(), model.parameters()))
+    assert worst < 1e-10, worst
+
+
+def test_the_load_balancer_refuses_models_without_a_router_bias_and_bad_coefficients() -> None:
+    from shardwise.parallel import ExpertLoadBalancer
+
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM has no MoE block whose router keeps an "
+                                         r"e_score_correction_bias"):
+        ExpertLoadBalancer(MOE["mixtral"]())
+    with pytest.raises(ValueError, match=r"coeff=0\): a number > 0"):
+        ExpertLoadBalancer(MOE["deepseek_v3"](), coeff=0)
