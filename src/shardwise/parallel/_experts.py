@@ -139,6 +139,11 @@ class ExpertParallel(ParallelStyle):
         elif not problems and device_mesh.size() > getattr(module, "num_experts"):
             problems.append(f"ExpertParallel splits whole experts: {getattr(module, 'num_experts')} experts cannot "
                             f"cover {device_mesh.size()} ranks; use a smaller mesh dim for experts")
+        if not problems and self.dispatches and not _takes_three_inputs(module):
+            problems.append(f"ExpertParallel(tokens={self.tokens!r}) dispatches the routes an experts module is called "
+                            f"with, experts(hidden_states, top_k_index, top_k_weights) (Mixtral, Qwen3-MoE, "
+                            f"DeepSeek-V3, GPT-OSS); {type(module).__name__}.forward takes other inputs (Llama 4's "
+                            f"experts take tokens already spread over every expert): use ExpertParallel() there")
         if not problems and self.dispatches:
             dims = self._token_dims(device_mesh.ndim)
             if len(dims) != device_mesh.ndim:
@@ -362,6 +367,16 @@ def _takes_routed_tokens(module: nn.Module) -> bool:
 
 
 _INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def _takes_three_inputs(module: nn.Module) -> bool:
+    """Whether the module's forward takes (at least) three inputs: tokens, expert ids, weights."""
+    try:
+        kinds = [p.kind for p in inspect.signature(module.forward).parameters.values()]
+    except (TypeError, ValueError):
+        return True  # (cannot tell: the call will say)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return inspect.Parameter.VAR_POSITIONAL in kinds or sum(k in positional for k in kinds) >= 3
 
 
 def _three_inputs(owner: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
