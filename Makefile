@@ -18,10 +18,11 @@ $(STAMP): $(PY) pyproject.toml
 
 setup: $(STAMP)
 
-# mypy --strict on src/ first (configured in pyproject.toml): a type error fails the run
+# mypy --strict on src/ first (configured in pyproject.toml): a type error fails the run;
+# --durations=40: the slowest tests in CI's log, where the suite's time goes
 test: $(STAMP)
 	$(PY) -m mypy
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 demo: $(STAMP)
 	$(PY) -m shardwise.cli demo

@@ -15,7 +15,14 @@ bias corrections, a cosine learning-rate schedule). The loops, on gloo ranks:
   replayed on every later one (checked at every step);
 - the compiled replay of the 1F1B pipeline's step (its messages host steps of the graph).
 
-Each loop runs with foreach, fused and for-loop AdamW and with foreach momentum SGD.
+Every loop runs with foreach AdamW. The optimizer's own paths run where they differ: eager
+tensor parallel with foreach, fused and for-loop AdamW and foreach momentum SGD (each steps the
+DTensor parameters' local pieces through its own ops and state), and the compiled replay with
+AdamW and with SGD (a trace steps every Adam flavour, foreach, fused or for-loop, on the one
+fused Adam kernel with its lr an input, and SGD on the fused SGD kernel: two programs, not
+four). The other loops add a layout or a schedule, not an optimizer path: running each of
+them with every optimizer (28 cases, the suite's largest item on CI) repeated what the
+tensor-parallel loops check.
 
 The context-parallel options are module state that outlives a test in the worker pool:
 the loop sets them itself.
@@ -241,7 +248,10 @@ def _loop(parallel: str, kind: str) -> Growth:
         return _long_run(step)
 
 
-CASES = [(loop, kind) for loop in LOOPS for kind in ("foreach", "fused", "for-loop", "sgd")]  # every loop, each optimizer
+OPTIMIZERS = ("foreach", "fused", "for-loop", "sgd")
+# every loop with foreach AdamW; every optimizer path on eager tp, and both traced kernels (Adam, SGD) on compiled tp
+CASES = ([(loop, "foreach") for loop in LOOPS] + [("tp", kind) for kind in OPTIMIZERS[1:]]
+         + [("compiled-tp", "sgd")])
 
 
 @pytest.mark.parametrize("parallel, kind", CASES)
