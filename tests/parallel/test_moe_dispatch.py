@@ -120,11 +120,10 @@ def test_token_dispatch_on_4_ranks_trains_like_one_process_on_the_global_batch(w
     assert worst < 1e-10 and loss < 1e-10, (which, worst, loss)
 
 
-@pytest.mark.parametrize("which", ["mixtral", "deepseek_v3"])
 @distributed(world_size=2)
-def test_token_dispatch_on_2_ranks_trains_like_one_process_on_the_global_batch(which: str) -> None:
-    worst, loss = _train(which, torch.float64, 2)
-    assert worst < 1e-10 and loss < 1e-10, (which, worst, loss)
+def test_token_dispatch_on_2_ranks_trains_like_one_process_on_the_global_batch() -> None:
+    worst, loss = _train("deepseek_v3", torch.float64, 2)  # 8 experts, 4 per rank
+    assert worst < 1e-10 and loss < 1e-10, (worst, loss)
 
 
 @distributed(world_size=4)
@@ -345,11 +344,10 @@ def _train_with_fully_shard(which: str, dp: int, ep: int) -> tuple[float, float]
     return worst, worst_loss
 
 
-@pytest.mark.parametrize("which", ["mixtral", "deepseek_v3"])
 @distributed(world_size=4)
-def test_ep_2_over_4_dp_ranks_with_fully_shard_trains_like_one_process(which: str) -> None:
-    worst, loss = _train_with_fully_shard(which, 4, 2)
-    assert worst < 1e-10 and loss < 1e-10, (which, worst, loss)
+def test_ep_2_over_4_dp_ranks_with_fully_shard_trains_like_one_process() -> None:
+    worst, loss = _train_with_fully_shard("deepseek_v3", 4, 2)  # (its shared expert and dense layer over all 4)
+    assert worst < 1e-10 and loss < 1e-10, (worst, loss)
 
 
 @distributed(world_size=4)
