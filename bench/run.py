@@ -1,6 +1,6 @@
 """The one entry point of the benchmark suite: run the benchmarks, print their tables, write one JSON file.
 
-`python -m bench [--quick] [--only overhead,redistribute,overlap,steps,memory,fsdp,checkpoint,hf_load,cross_mesh,dry_run,planner_quality,context_parallel,long_run,optimizer,pipeline_steps] [--repeats N] [--out FILE]`
+`python -m bench [--quick] [--only overhead,redistribute,overlap,steps,memory,fsdp,checkpoint,hf_load,cross_mesh,dry_run,planner_quality,context_parallel,long_run,optimizer,pipeline_steps,moe] [--repeats N] [--out FILE]`
 (or `python bench/run.py ...`, or `make bench`). Every benchmark runs shardwise and
 torch.distributed.tensor side by side in the same gloo worker processes (started by
 `shardwise.testing.run_distributed`), interleaved and repeated. Each table is printed with
@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:  # `python bench/run.py`: the workers import bench
         sys.path.pop(0)
     sys.path.insert(0, str(ROOT))
 
-from bench import checkpoint, context_parallel, cross_mesh, dry_run, fsdp, hf_load, long_run, memory, optimizer, overhead, overlap, pipeline_steps, planner_quality, redistribute, steps  # noqa: E402
+from bench import checkpoint, context_parallel, cross_mesh, dry_run, fsdp, hf_load, long_run, memory, moe, optimizer, overhead, overlap, pipeline_steps, planner_quality, redistribute, steps  # noqa: E402
 from bench._common import FULL, QUICK, Settings, Table, load_average, machine_info  # noqa: E402
 
 __all__ = ["BENCHMARKS", "main"]
@@ -48,6 +48,7 @@ BENCHMARKS: dict[str, Callable[[Settings], list[Table]]] = {
     "long_run": long_run.run,
     "optimizer": optimizer.run,
     "pipeline_steps": pipeline_steps.run,
+    "moe": moe.run,
 }
 
 

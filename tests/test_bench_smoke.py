@@ -47,7 +47,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint",
                                          "collective_bookkeeping", "hf_load", "cross_mesh", "dry_run", "planner", "planner_quality",
                                          "planner_quality_llama", "context_parallel", "long_run",
-                                         "optimizer", "pipeline_steps"}
+                                         "optimizer", "pipeline_steps", "moe"}
 
 
 def test_fsdp_rows_train_alike_with_one_collective_per_unit(quick_run: Any) -> None:
@@ -209,3 +209,15 @@ def test_the_optimizer_rows_compare_dtensor_steps_with_local_ones(quick_run: Any
     rows = quick_run[1]["benchmarks"]["optimizer"]["rows"]
     assert {(r["kind"], r["n"]) for r in rows} == {(k, n) for k in ("default", "foreach", "fused") for n in (10, 50)}
     assert all(isinstance(r["shardwise_vs_local"], float) and isinstance(r["torch_vs_local"], float) for r in rows)
+
+
+def test_the_moe_rows_dispatch_tokens_and_equal_one_process(quick_run: Any) -> None:
+    _, record = quick_run
+    rows = {r["who"]: r for r in record["benchmarks"]["moe"]["rows"]}
+    assert len(rows) == 4, list(rows)
+    one, replicated, split, capacity = rows.values()
+    for r in (replicated, split, capacity):  # the loss of one process on the global batch (dropping alike)
+        assert r["check"] == "ok" and r["peak_vs_one"] is not None and isinstance(r["step_ms"], float), r
+    assert set(replicated["collective_counts"]) == {"all_reduce"}, replicated  # one per MoE layer
+    assert set(split["collective_counts"]) == {"all_to_all", "all_reduce"}, split  # routes; the dense gradients
+    assert split["dropped"].startswith("0 of ") and not capacity["dropped"].startswith("0 of "), (split, capacity)
