@@ -49,7 +49,8 @@ from torch import nn
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._tensor import DTensor
-from ._experts import ExpertParallel, _summed_back, _three_inputs
+from ._experts import ExpertParallel, _summed_back
+from ._moe_split import _three_inputs
 from ._local_params import local_parameters
 from ._plan import PlanEntry, Sharder, ShardingPlan, ShardingPlanner, match
 from ._prepare import PrepareModuleOutput
