@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path_factory.mktemp("bench") / "quick.json"
     proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, f"python -m bench --quick exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert out.exists(), f"no JSON written to {out}\n{proc.stdout[-2000:]}"
     return proc, json.loads(out.read_text())
