@@ -54,7 +54,6 @@ def _three_inputs(owner: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return values[0], values[1], values[2]
 
 
-
 def route_counts(module: nn.Module) -> RouteCounts:
     """What the last forward of an experts module under `ExpertParallel(tokens="split")` routed on
     this rank: routes sent, routes dropped (capacity form), routes kept per expert."""
@@ -128,7 +127,7 @@ def _check_routes(owner: str, x: torch.Tensor, index: torch.Tensor, weights: tor
         raise ValueError(f"ExpertParallel(tokens=\"split\") on {owner} reads hidden_states (tokens, hidden), "
                          f"top_k_index and top_k_weights (tokens, top_k); got {tuple(x.shape)}, {tuple(index.shape)}, "
                          f"{tuple(weights.shape)}: give it the router's output as the model computes it")
-    if index.dtype not in (torch.int64, torch.int32) or index.is_floating_point():
+    if index.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"ExpertParallel(tokens=\"split\") on {owner}: top_k_index must hold expert ids (int64), "
                          f"got {index.dtype}")
     if index.shape[-1] > total:
