@@ -54,7 +54,7 @@ from ._cp_buffers import SplitBuffers, check_buffers, unshard, whole_positions
 from ._cp_comm import CpGroup
 from ._cp_layout import SequenceLayout
 from ._cp_rotation import ALL_GATHER, ROTATIONS, Rotation
-from ._cp_session import CpSession
+from ._cp_session import CpSession as CpSession  # (re-exported: the pipeline enters its stages' sessions by it)
 # what the pipeline imports from here (its stages enter a session of their own attention)
 from ._cp_session import cp_mode_on as cp_mode_on
 from ._cp_session import current_cp_attention as current_cp_attention
@@ -71,7 +71,6 @@ class _Settings:
 
 
 _SETTINGS = _Settings()
-Attention = CpSession  # the name the pipeline enters a session of its stage's attention by
 
 
 def set_rotate_method(method: str) -> None:

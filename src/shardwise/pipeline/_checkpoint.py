@@ -36,7 +36,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from ..parallel._context_parallel import Attention, cp_mode_on, current_cp_attention
+from ..parallel._context_parallel import CpSession, cp_mode_on, current_cp_attention
 from ._dependency import fork, get_phony, join
 from ._microbatch import Batch, BatchValue
 
@@ -161,7 +161,7 @@ class Recompute(torch.autograd.Function):
         leaves = ctx.rebuild(tensors)
         assert shared.rng is not None  # Checkpoint.forward ran first
         with (_replay_rng(shared.device, shared.rng), torch.enable_grad(), _flag("recomputing"),
-              Attention(shared.cp) if shared.cp is not None and not cp_mode_on() else nullcontext()):
+              CpSession(shared.cp) if shared.cp is not None and not cp_mode_on() else nullcontext()):
             output = shared.call(leaves)
         shared.recomputed.append((output, leaves))
         return (None, None) + (None,) * len(leaves)

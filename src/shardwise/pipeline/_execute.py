@@ -14,7 +14,7 @@ from contextlib import nullcontext
 from typing import Any, Optional
 
 from .._compile import current_trace
-from ..parallel._context_parallel import Attention
+from ..parallel._context_parallel import CpSession
 from ._context import StepContext
 from ._guard import Failure
 from ._replay import traced_step
@@ -33,7 +33,7 @@ def execute(ctx: StepContext, run: StepRun, order: list[Action], input: Any, tar
     replayed = traced_step(ctx, trace, order)
     attention = cp_attention(ctx, input) if ctx.groups.cp is not None else None
     try:
-        with Attention(attention) if attention is not None else nullcontext():
+        with CpSession(attention) if attention is not None else nullcontext():
             run.prepare(input, target)
             for k, action in enumerate(order):
                 run.current = action
