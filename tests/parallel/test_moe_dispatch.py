@@ -220,6 +220,12 @@ def test_the_bytes_on_the_wire_are_the_routed_hidden_states_out_and_back_plus_th
     assert got == bound, (got, bound)
     kinds = {phase: {kind: n for kind, (n, _) in counter.totals(phase).items()} for phase in ("forward", "backward")}
     assert kinds == {"forward": {"all_to_all": 3}, "backward": {"all_to_all": 2}}, kinds
+    # who reduces an expert's gradient: the dispatch itself, an average over the ep ranks
+    from shardwise.debug import gradient_reducers
+
+    (reducer,) = gradient_reducers(module.gate_up_proj)
+    assert (reducer.registrant, reducer.level, reducer.ranks) == ("ExpertParallel", "layout", (0, 1, 2, 3)), reducer
+    assert reducer.op.startswith("avg (1/4 on the way back)"), reducer
 
 
 def _kept(index: torch.Tensor, capacity: int) -> torch.Tensor:
