@@ -526,3 +526,48 @@ def test_experts_called_with_tokens_already_spread_are_refused_naming_the_form_t
     experts = model.model.layers[0].feed_forward.experts
     with pytest.raises(ValueError, match=r"Llama4TextExperts.forward takes other inputs.*use ExpertParallel\(\) there"):
         parallelize_module(experts, sw.AbstractMesh((4,), ("ep",)), ExpertParallel(tokens="split"))
+
+
+@pytest.mark.parametrize("which", ["mixtral", "qwen3_moe"])
+@distributed(world_size=4)
+def test_the_auxiliary_load_balancing_loss_is_the_global_batchs(which: str) -> None:
+    # output_router_logits: each model adds coef * E * sum_e f_e P_e to its loss; f (route shares)
+    # summed over the ep ranks, P each rank's own, so the ranks' average is one process's loss
+    from shardwise.parallel import global_router_loss
+
+    torch.manual_seed(0)
+    reference = MOE[which]().double()
+    reference.config.output_router_logits, reference.config.router_aux_loss_coef = True, 0.5
+    model = copy.deepcopy(reference)
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    parallelize_module(model, mesh, {path: ExpertParallel(tokens="split") for path in _experts_paths(model)})
+    data_parallel(model, mesh, dp_dim="ep")
+    global_router_loss(model, mesh)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    g = torch.Generator().manual_seed(1)
+    rank = dist.get_rank()
+    for _ in range(3):
+        ids = torch.randint(0, 64, (8, 8), generator=g)
+        want = reference(input_ids=ids, labels=ids)
+        want.loss.backward()
+        got = model(input_ids=ids[2 * rank:2 * rank + 2], labels=ids[2 * rank:2 * rank + 2])
+        got.loss.backward()
+        aux = got.aux_loss.detach().clone()
+        dist.all_reduce(aux)
+        assert abs(aux.item() / 4 - want.aux_loss.item()) < 1e-6 * abs(want.aux_loss.item()), (aux, want.aux_loss)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    worst = max(((q.full_tensor() if isinstance(q, sw.DTensor) else q).detach() - p.detach()).abs().max().item()
+                for p, q in zip(reference.parameters(), model.parameters()))
+    assert worst < 1e-10, (which, worst)
+
+
+def test_the_global_router_loss_refuses_models_without_one_and_meshes_of_several_dims() -> None:
+    from shardwise.debug import dry_mesh
+    from shardwise.parallel import global_router_loss
+
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM's module .* has no load_balancing_loss_func"):
+        global_router_loss(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)), dry_mesh((4,)))
+    with pytest.raises(ValueError, match=r"the 1-D mesh of the ranks whose tokens differ"):
+        global_router_loss(MOE["mixtral"](), dry_mesh((2, 2), mesh_dim_names=("dp", "tp")))
