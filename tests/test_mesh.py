@@ -157,6 +157,14 @@ def test_unflatten_splits_a_dim_into_smaller_groups_over_the_same_ranks() -> Non
     assert split.mesh.tolist() == [[0, 1], [2, 3]] and split.get_coordinate() == [r // 2, r % 2]
     assert split["ep"].mesh.tolist() == ([0, 1] if r < 2 else [2, 3])
     assert world._unflatten(0, (2, 2), ("dp", "ep")) == split
+    # the same program through torch's DeviceMesh gives the same grid and slices
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+
+    theirs = torch_mesh("cpu", (4,), mesh_dim_names=("world",))._unflatten(0, (2, 2), ("dp", "ep"))
+    assert theirs.mesh.tolist() == split.mesh.tolist() and theirs.mesh_dim_names == split.mesh_dim_names
+    for name in ("dp", "ep"):
+        assert theirs[name].mesh.tolist() == split[name].mesh.tolist(), name
+        assert theirs.get_local_rank(name) == split.get_local_rank(name), name
     t = torch.tensor([float(r)])
     dist.all_reduce(t, group=split.get_group("ep"))
     assert t.item() == sum(split.ranks_along("ep"))

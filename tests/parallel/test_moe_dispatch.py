@@ -79,6 +79,33 @@ def _reference_backward(model: Any, which: str, ids: torch.Tensor, ep: int) -> t
     return total
 
 
+def _three_steps(which: str, reference: Any, model: Any, n: int) -> tuple[float, float]:
+    """3 AdamW steps: one process on the global batch of 2 rows per rank, each of the `n` ranks on
+    its own 2 rows; (worst parameter difference, worst difference of the ranks' mean loss)."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    g = torch.Generator().manual_seed(1)
+    rank, worst_loss = dist.get_rank(), 0.0
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2 * n, 8), generator=g)
+        whole = _reference_backward(reference, which, ids, n)
+        opts[0].step()
+        opts[0].zero_grad()
+        loss = _loss(model, ids[2 * rank:2 * rank + 2])
+        loss.backward()
+        opts[1].step()
+        opts[1].zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        worst_loss = max(worst_loss, abs(mean.item() / n - whole.item()))
+    return _worst(reference, model), worst_loss
+
+
+def _worst(reference: Any, model: Any) -> float:
+    """The largest difference of any parameter from one process's (DTensors made whole)."""
+    return max(((q.full_tensor() if isinstance(q, sw.DTensor) else q).detach() - p.detach()).abs().max().item()
+               for p, q in zip(reference.parameters(), model.parameters()))
+
+
 def _train(which: str, dtype: torch.dtype, ep: int, capacity_factor: Any = None) -> tuple[float, float]:
     """(worst parameter difference, worst loss difference) from one process after 3 AdamW steps."""
     torch.manual_seed(0)
@@ -91,26 +118,7 @@ def _train(which: str, dtype: torch.dtype, ep: int, capacity_factor: Any = None)
         style = ExpertParallel(tokens="split", capacity_factor=capacity_factor)
         parallelize_module(model, mesh, {path: style for path in _experts_paths(model)})
     data_parallel(model, mesh, dp_dim="ep")
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
-    g = torch.Generator().manual_seed(1)
-    rank, worst_loss = dist.get_rank(), 0.0
-    for _ in range(3):
-        ids = torch.randint(0, 64, (2 * ep, 8), generator=g)
-        whole = _reference_backward(reference, which, ids, ep)
-        opts[0].step()
-        opts[0].zero_grad()
-        loss = _loss(model, ids[2 * rank:2 * rank + 2])
-        loss.backward()
-        opts[1].step()
-        opts[1].zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        worst_loss = max(worst_loss, abs(mean.item() / ep - whole.item()))
-    worst = 0.0
-    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-        full = q.full_tensor() if isinstance(q, sw.DTensor) else q
-        worst = max(worst, (full.detach() - p.detach()).abs().max().item())
-    return worst, worst_loss
+    return _three_steps(which, reference, model, ep)
 
 
 @pytest.mark.parametrize("which", sorted(MOE))
@@ -328,26 +336,7 @@ def _train_with_fully_shard(which: str, dp: int, ep: int) -> tuple[float, float]
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
-    g = torch.Generator().manual_seed(1)
-    rank, worst_loss = dist.get_rank(), 0.0
-    for _ in range(3):
-        ids = torch.randint(0, 64, (2 * dp, 8), generator=g)
-        whole = _reference_backward(reference, which, ids, dp)
-        opts[0].step()
-        opts[0].zero_grad()
-        loss = _loss(model, ids[2 * rank:2 * rank + 2])
-        loss.backward()
-        opts[1].step()
-        opts[1].zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        worst_loss = max(worst_loss, abs(mean.item() / dp - whole.item()))
-    worst = 0.0
-    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-        full = q.full_tensor() if isinstance(q, sw.DTensor) else q
-        worst = max(worst, (full.detach() - p.detach()).abs().max().item())
-    return worst, worst_loss
+    return _three_steps(which, reference, model, dp)
 
 
 @distributed(world_size=4)
@@ -442,8 +431,7 @@ def test_ep_spanning_the_tp_ranks_of_a_dp_x_tp_mesh_trains_like_one_process(whic
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    worst = max(((q.full_tensor() if isinstance(q, sw.DTensor) else q).detach() - p.detach()).abs().max().item()
-                for p, q in zip(reference.parameters(), model.parameters()))
+    worst = _worst(reference, model)
     assert worst < 1e-10, (which, worst)
 
 
@@ -503,8 +491,7 @@ def test_deepseek_aux_loss_free_bias_equals_one_process_after_every_step() -> No
             assert torch.equal(want, got), (want, got)
             moved = moved or bool(want.abs().sum() > 0)
     assert moved
-    worst = max(((q.full_tensor() if isinstance(q, sw.DTensor) else q).detach() - p.detach()).abs().max().item()
-                for p, q in zip(reference.parameters(), model.parameters()))
+    worst = _worst(reference, model)
     assert worst < 1e-10, worst
 
 
@@ -558,8 +545,7 @@ def test_the_auxiliary_load_balancing_loss_is_the_global_batchs(which: str) -> N
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    worst = max(((q.full_tensor() if isinstance(q, sw.DTensor) else q).detach() - p.detach()).abs().max().item()
-                for p, q in zip(reference.parameters(), model.parameters()))
+    worst = _worst(reference, model)
     assert worst < 1e-10, (which, worst)
 
 

@@ -9,7 +9,7 @@ from ._group_sum import GroupSum
 from . import _local_step  # noqa: F401  (registers the local optimizer step: see its docstring)
 from ._plans import implicit_replication
 from ._random import manual_seed
-from ._autograd import to_local
+from ._autograd import scale_grad, to_local
 from ._cross import CrossMove, _region, plan_cross, ranks_of
 from ._dispatch import check_plain_afresh
 from ._plain import FINGERPRINT_WIDTH, fingerprint, same_fingerprint
@@ -24,4 +24,4 @@ __all__ += ["LEVELS", "GradientReducer", "GroupSum", "Step", "arm", "caller_plac
 # for the layers above: the root, parallel, pipeline, fsdp, spmd, debug, _explain
 __all__ += ["DTENSOR_CLASSES", "FINGERPRINT_WIDTH", "CrossMove", "_region", "check_plain_afresh", "eager_hook",
             "fingerprint", "mark_loaded", "plan_cross", "ranks_of", "redistribute_local", "redistribute_node",
-            "same_fingerprint", "to_local"]
+            "same_fingerprint", "scale_grad", "to_local"]

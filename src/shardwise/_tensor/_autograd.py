@@ -8,6 +8,7 @@ single-device gradient, redistributed to the layout the other side expects.
 |---|---|---|
 | `FromLocal` | a local piece becomes a DTensor of `spec` | the gradient in `spec`'s layout (Partial as Replicate); a P(avg) term's is 1/n of it |
 | `ToLocal` | a DTensor's piece as a plain tensor | the plain gradient as a DTensor of `grad_spec` |
+| `scale_grad` | the tensor itself | the gradient times a factor (a term's share of a sum the caller makes elsewhere) |
 | `Redistribute` | the DTensor in another layout, on its mesh or another (optionally in the background, optionally cast first) | the gradient moved back to the source layout and mesh (Partial as Replicate), optionally in another dtype, and cast to the source's |
 """
 
@@ -26,7 +27,7 @@ from ._plans import misplaced, restride
 from ._redistribute import redistribute_local
 from ._wrap import DTensorBase, wrap
 
-__all__ = ["FromLocal", "Redistribute", "ToLocal", "grad_target"]
+__all__ = ["FromLocal", "Redistribute", "ToLocal", "grad_target", "scale_grad"]
 
 
 def grad_target(spec: DTensorSpec) -> DTensorSpec:
@@ -137,3 +138,20 @@ def to_local(x: DTensorBase, grad_spec: Optional[DTensorSpec] = None) -> torch.T
 
 
 __all__ += ["to_local"]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def scale_grad(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """`t`, whose gradient is multiplied by `factor` on its way back (a view: no copy)."""
+    out: torch.Tensor = _ScaleGrad.apply(t, factor)  # type: ignore[no-untyped-call]
+    return out

@@ -85,7 +85,10 @@ class ExpertParallel(ParallelStyle):
       ep borrowing dp or dp x cp); each route goes to its expert's owner by one all_to_all and
       its result comes back by another (`_moe_dispatch`). Dropless, unless `capacity_factor`
       is given: then every expert takes `ceil(capacity_factor * tokens * top_k / num_experts)`
-      routes from each rank and drops the rest (counted in `route_counts(module)`).
+      routes from each rank and drops the rest (counted in `route_counts(module)`). Every ep
+      rank must then hold the same number of tokens: checked (one small all_gather) the first
+      time each count is met; a rank meeting a new count alone ends in a collective timeout
+      (a `CollectiveError` naming the collectives), not a wrong result.
     - `"sequence"`: each rank holds its own piece of every sequence (context parallelism):
       dispatched as `"split"`, but the ranks' gradients are shares of one loss, summed, not
       averaged (an expert's gradient is not scaled).

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .._placement import Placement
-from .._tensor import DTensor
+from .._tensor import DTensor, scale_grad
 
 __all__ = ["local_parameters"]
 
@@ -44,22 +44,10 @@ def local_parameters(module: nn.Module, names: Sequence[str],
             held.append((slots, name, value))
             piece: torch.Tensor = value.to_local(grad_placements=grad_placements)
             if grad_scale != 1.0:
-                piece = _ScaledGrad.apply(piece, grad_scale)  # type: ignore[no-untyped-call]
+                piece = scale_grad(piece, grad_scale)
             slots[name] = piece
         yield
     finally:
         for slots, name, value in reversed(held):
             slots[name] = value
 
-
-class _ScaledGrad(torch.autograd.Function):
-    """The identity, whose gradient is multiplied by `scale` on its way back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None

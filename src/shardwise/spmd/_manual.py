@@ -39,7 +39,7 @@ from .._layout import Layout, ShardOrder, contiguous_strides, local_shape_and_of
 from .._mesh import DeviceMesh
 from .._partition_spec import MeshAxis, PartitionSpecLike
 from .._placement import Partial, Placement, Replicate
-from .._tensor import DTensor, to_local
+from .._tensor import DTensor, scale_grad, to_local
 from ._mark import device_mesh_of, layout_of, replicated
 
 __all__ = ["enable_manual_sharding", "disable_manual_sharding", "shard_map", "psum"]
@@ -81,23 +81,12 @@ def _to_manual(t: torch.Tensor, mesh: DeviceMesh, layout: Layout, what: str) -> 
     return to_local(laid, laid._spec.with_placements(grads, laid._spec.shard_order))
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, factor: float) -> torch.Tensor:
-        ctx.factor = factor
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.factor, None
-
-
 def _from_manual(t: torch.Tensor, mesh: DeviceMesh, layout: Layout, shape: Sequence[int]) -> DTensor:
     """The DTensor whose piece here is `t`; the gradient on unnamed mesh dims is shared out."""
     placements, order = layout.placements, layout.shard_order
     copies = math.prod(mesh.shape[m] for m, p in enumerate(placements) if isinstance(p, Replicate))
     if copies > 1 and t.requires_grad and torch.is_grad_enabled():
-        t = _ScaleGrad.apply(t, 1.0 / copies)  # type: ignore[no-untyped-call]
+        t = scale_grad(t, 1.0 / copies)
     shape = tuple(shape)
     return DTensor.from_local(t, mesh, placements, shape=shape, stride=contiguous_strides(shape), shard_order=order)
 
