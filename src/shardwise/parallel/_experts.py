@@ -87,8 +87,8 @@ class ExpertParallel(ParallelStyle):
       is given: then every expert takes `ceil(capacity_factor * tokens * top_k / num_experts)`
       routes from each rank and drops the rest (counted in `route_counts(module)`). Every ep
       rank must then hold the same number of tokens: checked (one small all_gather) the first
-      time each count is met; a rank meeting a new count alone ends in a collective timeout
-      (a `CollectiveError` naming the collectives), not a wrong result.
+      time each count is met; a rank meeting a new count alone while the others do not is a
+      collective mismatch, which ends in a `CollectiveError` (at worst the collective timeout).
     - `"sequence"`: each rank holds its own piece of every sequence (context parallelism):
       dispatched as `"split"`, but the ranks' gradients are shares of one loss, summed, not
       averaged (an expert's gradient is not scaled).
