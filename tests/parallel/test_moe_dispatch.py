@@ -10,6 +10,7 @@ stepping on the whole batch. The edge cases route by hand through one experts mo
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -279,6 +280,47 @@ def test_capacity_form_counts_its_drops_and_equals_one_process_dropping_the_same
     counts = route_counts(module)
     assert counts.capacity == capacity and int(counts.dropped) == int((~keeps[rank]).sum())
     assert (int(counts.dropped) > 0) == (factor < 4.0)
+
+
+@pytest.mark.parametrize("which", ["mixtral", "gpt_oss"])
+@distributed(world_size=4)
+def test_capacity_form_replays_under_shardwise_compile_like_one_process(which: str) -> None:
+    # regression: transformers' eager experts loop finds each expert's rows by `nonzero`, so a
+    # compiled step with the capacity form ran eagerly ("aten.nonzero reads tensor values"), and
+    # integer indexing (`x[token]`) was refused as if it were a boolean mask
+    torch.manual_seed(0)
+    reference = MOE[which]().double()
+    model, eager = copy.deepcopy(reference), copy.deepcopy(reference)  # compiled, and its eager twin
+    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    # 2.0 = experts / top-k: every expert may take every token of a rank, so nothing is dropped
+    # and the step is one process's on the whole batch
+    for m in (model, eager):
+        parallelize_module(m, mesh, {p: ExpertParallel(tokens="split", capacity_factor=2.0) for p in _experts_paths(m)})
+        data_parallel(m, mesh, dp_dim="ep")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in (reference, model, eager)]
+
+    def step(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
+        loss = _loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    compiled = sw.compile(step)
+    g, rank = torch.Generator().manual_seed(1), dist.get_rank()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):  # the first step makes AdamW's state, the second is traced, then replays
+            ids = torch.randint(0, 64, (8, 8), generator=g)
+            step(reference, opts[0], ids)
+            compiled(model, opts[1], ids[2 * rank:2 * rank + 2])
+            step(eager, opts[2], ids[2 * rank:2 * rank + 2])
+            for path in _experts_paths(model):  # a replay updates the counts as eager does
+                got, want = route_counts(model.get_submodule(path)), route_counts(eager.get_submodule(path))
+                assert torch.equal(got.per_expert, want.per_expert) and int(got.dropped) == int(want.dropped) == 0
+    messages = [str(w.message) for w in caught if "shardwise.compile" in str(w.message)]
+    assert not messages and compiled.programs() == 1, (messages, compiled.programs())
+    assert _worst(reference, model) < 1e-10
 
 
 @distributed(world_size=2)

@@ -457,3 +457,16 @@ def test_adam_on_complex_parameters_runs_eagerly_with_a_warning_not_on_the_fused
     torch.testing.assert_close(p.full_tensor(), q.detach(), atol=1e-12, rtol=1e-12)
     messages = [str(w.message) for w in caught if "shardwise.compile" in str(w.message)]
     assert len(messages) == 1 and "runs eagerly" in messages[0], messages
+
+
+def test_integer_indexing_replays_and_a_boolean_mask_is_refused() -> None:
+    # regression: aten.index.Tensor carries the dynamic-shape tag for its mask form, and every
+    # `x[token]` gather (token dispatch, embedding-like lookups) was refused as data-dependent
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from shardwise._compile._refusal import refusal
+
+    x, at = torch.randn(6, 4), torch.tensor([3, 0, 0, 5])
+    assert refusal(make_fx(lambda x, at: x[at] * 2)(x, at)) is None
+    reason = refusal(make_fx(lambda x: x[x[:, 0] > 0])(x))
+    assert reason is not None and "aten.index.Tensor" in reason and "data-dependent" in reason, reason

@@ -1,7 +1,7 @@
 """What a traced graph may not hold: why it cannot be replayed, and tensors read from outside.
 
 A graph is refused when its values were read into Python at trace time (`.item()`,
-data-dependent shapes), when it draws random numbers whose generator state it does not carry
+data-dependent shapes: `nonzero`, indexing by a boolean mask, not by integer tensors), when it draws random numbers whose generator state it does not carry
 (not ops whose dropout probability is a literal 0), or when it holds a collective issued
 outside `shardwise._comm`. A graph that reads tensors from outside its arguments (a closure,
 a global) replays with them baked in by identity: `outside_tensors` counts them for the
@@ -24,6 +24,9 @@ __all__ = ["mark_persistent", "outside_tensors", "refusal"]
 # or it draws random numbers whose generator state the graph does not carry.
 _DATA_DEPENDENT_TAGS = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape}
 _NOT_REPLAYABLE = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+# Ops tagged as of dynamic output shape only for some inputs: indexing by integer tensors has
+# the shape of its indices, known at trace time; only a boolean mask's shape depends on values.
+_MASK_INDEXED = {torch.ops.aten.index.Tensor}
 
 
 def _draws(node: torch.fx.Node) -> bool:
@@ -37,11 +40,20 @@ def _draws(node: torch.fx.Node) -> bool:
     return True
 
 
+def _masked(node: torch.fx.Node) -> bool:
+    """Whether an indexing node takes a boolean mask (or an index whose dtype the trace did not record)."""
+    indices = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else [None]
+    dtypes = [getattr(i.meta.get("val"), "dtype", None) for i in indices if isinstance(i, torch.fx.Node)]
+    return not dtypes or any(d not in (torch.int64, torch.int32) for d in dtypes)
+
+
 def refusal(gm: torch.fx.GraphModule) -> Optional[str]:
     """Why this graph cannot be replayed, or None."""
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target in (COLLECTIVE, HOST):
+            continue
+        if target in _MASK_INDEXED and not _masked(node):
             continue
         if target in _NOT_REPLAYABLE or _DATA_DEPENDENT_TAGS.intersection(target.tags):
             return f"{target} reads tensor values at trace time (data-dependent shape or value)"

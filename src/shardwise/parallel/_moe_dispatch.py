@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._compile import mark_persistent
 from .._layout import chunk_range
 from ._cp_comm import CpGroup, all_to_all_heads, gather_pieces
 
@@ -74,12 +75,34 @@ class EpRanks:
 class RouteCounts:
     """What the last forward of a dispatched experts module routed, on this rank (tensors: reading
     them is the caller's synchronisation): `routes` sent out, `dropped` (capacity form only),
-    and `per_expert`, the routes of this rank's tokens to each expert (kept ones)."""
+    and `per_expert`, the routes of this rank's tokens to each expert (kept ones).
+
+    The tensors are kept for good and written in place (`record`), so a step that
+    `shardwise.compile` replays updates them as an eager one does."""
 
     routes: int = 0
     dropped: Optional[torch.Tensor] = None
     per_expert: Optional[torch.Tensor] = None
     capacity: Optional[int] = None
+
+    def record(self, routes: int, per_expert: torch.Tensor, dropped: Optional[torch.Tensor],
+               capacity: Optional[int]) -> None:
+        """Keep a forward's counts: copied into this value's own tensors, made once (outside any trace)."""
+        self.routes, self.capacity = routes, capacity
+        self.per_expert = _kept_in(self.per_expert, per_expert)
+        self.dropped = None if dropped is None else _kept_in(self.dropped, dropped)
+
+    @staticmethod
+    def ready(num_experts: int, device: torch.device) -> RouteCounts:
+        """Counts whose tensors exist before any forward (a traced first call then writes into them)."""
+        zeros = torch.zeros((num_experts,), dtype=torch.int64, device=device)
+        return RouteCounts(dropped=mark_persistent(zeros.new_zeros(())), per_expert=mark_persistent(zeros))
+
+
+def _kept_in(held: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+    if held is None or held.shape != value.shape or held.device != value.device or held.dtype != value.dtype:
+        held = mark_persistent(torch.zeros_like(value))
+    return held.copy_(value)
 
 
 def _sorted_routes(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,7 +150,7 @@ def dispatch_dropless(run: RunExperts, x: torch.Tensor, index: torch.Tensor, wei
     back = torch.empty_like(by_expert)
     back[by_expert] = torch.arange(n, device=x.device)
     home = all_to_all_heads(out[back], 0, 0, recv, send, g)
-    stats.routes, stats.per_expert, stats.dropped, stats.capacity = int(index.numel()), counts, None, None
+    stats.record(int(index.numel()), counts, None, None)
     return _combine(home, order, token, weights, x.shape[0], x)
 
 
@@ -158,9 +181,7 @@ def dispatch_capacity(run: RunExperts, x: torch.Tensor, index: torch.Tensor, wei
     home = all_to_all_heads(by_source, 0, 0, (mine * capacity,) * p, send, g)  # (expert, slot) here
     home = torch.cat([home, home.new_zeros((1, home.shape[-1]))])[where]  # dropped routes: nothing
     w = torch.where(kept, weights.reshape(-1)[order], torch.zeros((), dtype=weights.dtype, device=weights.device))
-    stats.routes, stats.capacity = int(index.numel()), capacity
-    stats.per_expert = torch.minimum(counts, torch.full_like(counts, capacity))
-    stats.dropped = (~kept).sum()
+    stats.record(int(index.numel()), torch.minimum(counts, torch.full_like(counts, capacity)), (~kept).sum(), capacity)
     return _combine(home, torch.arange(w.numel(), device=x.device), token, w, x.shape[0], x)
 
 

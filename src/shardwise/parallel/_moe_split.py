@@ -4,7 +4,8 @@
 and then calls `dispatch_own_experts`: the module's forward is replaced by one that checks
 the router's output, takes this rank's share of the rows where ranks hold the same tokens,
 and runs the dispatch of `_moe_dispatch` around the module's own expert arithmetic, on the
-local experts, with their gradients scaled on the way back. `route_counts(module)` reads
+local experts, with their gradients scaled on the way back (the capacity form's equal rows per
+expert at fixed shapes, `_moe_batched`, so a traced step replays). `route_counts(module)` reads
 what the last forward routed. The inputs both forms read, `(hidden_states, top_k_index,
 top_k_weights)`, are parsed here too.
 """
@@ -22,6 +23,7 @@ from .._mesh import DeviceMesh
 from .._tensor import DTensor
 from ._cp_comm import CpGroup
 from ._local_params import local_parameters
+from ._moe_batched import batched_experts, runs_batched
 from ._moe_dispatch import (EpRanks, RouteCounts, capacity_of, dispatch_capacity, dispatch_dropless, gather_rows,
                             take_rows)
 
@@ -73,15 +75,20 @@ def dispatch_own_experts(module: nn.Module, names: list[str], mesh: DeviceMesh, 
     total: int = getattr(module, "num_experts")
     owner = type(module).__name__
     ep = EpRanks.of(CpGroup(mesh.get_group(0), mesh.size(), mesh.get_local_rank(0), mesh.ranks_along(0), 0), total)
-    stats = RouteCounts()
+    device = next((getattr(module, n).device for n in names), torch.device("cpu"))
+    stats = RouteCounts.ready(total, device)
     object.__setattr__(module, "_shardwise_route_counts", stats)
     agreed: set[int] = set()  # token counts every ep rank was found to hold
     forward = module.forward
+    batched = capacity_factor is not None and runs_batched(module)  # equal rows per expert: one bmm each
 
     def run(routes: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         try:  # the module's own arithmetic, on its own experts, one route per row at weight 1
             setattr(module, "num_experts", ep.mine)
             with local_parameters(module, names, grad_scale=grad_scale):
+                if batched:
+                    by_expert = routes.view(ep.mine, -1, routes.shape[-1])  # (mine, ep * capacity, hidden)
+                    return batched_experts(module, by_expert).reshape(routes.shape[0], -1)
                 out: torch.Tensor = forward(routes, experts.unsqueeze(-1), routes.new_ones((routes.shape[0], 1)))
                 if routes.shape[0] == 0:
                     # no route reached this rank: its experts' gradients are zeros, and backward
