@@ -7,7 +7,8 @@ contender (transformers' `DeepseekV3ForCausalLM`, eager experts, float32, AdamW)
   batch, its own experts on every route that reaches them, one all-reduce per layer after;
 - token dispatch: `ExpertParallel(tokens="split")` and `data_parallel(dp_dim="ep")`, each rank
   its own sequence, each route sent to its expert's owner by all_to_all and back by another;
-- the same with `capacity_factor=1.25` (fixed split sizes, routes beyond them dropped).
+- the same with `capacity_factor=1.25` (fixed split sizes, routes beyond them dropped);
+- that step under `shardwise.compile` (the capacity form has no host synchronisation: it replays).
 Per contender: the slowest rank's step (forward, backward, AdamW), the median over repeats
 timed in rotating alternation after a barrier; peak bytes per rank (resident parameters,
 optimizer state and batch, plus the highest point of the allocator's running sum during one
@@ -36,10 +37,11 @@ __all__ = ["body", "run"]
 
 EP = 4
 CAPACITY = 1.25
-WHO = ("one", "replicated", "split", "capacity")
+WHO = ("one", "replicated", "split", "capacity", "compiled")
+DISPATCH = ("split", "capacity", "compiled")
 LABEL = {"one": "1 process (rank 0, whole batch)", "replicated": "ExpertParallel() tokens replicated",
          "split": "ExpertParallel(tokens=\"split\") + data_parallel",
-         "capacity": f"  ... capacity_factor={CAPACITY}"}
+         "capacity": f"  ... capacity_factor={CAPACITY}", "compiled": "  ... the same, shardwise.compile"}
 TIME_TARGET = 0.6  # token dispatch's step / the replicated form's (the issue's, full size)
 PEAK_TARGET = 0.35  # token dispatch's peak per rank / one process's
 TOLERANCE = 1e-4  # relative, float32
@@ -78,22 +80,25 @@ def _parallel(who: str, model: nn.Module, mesh: Any) -> nn.Module:
 
     if who == "replicated":
         return parallelize_module(model, mesh, {p: ExpertParallel() for p in _experts_paths(model)})
-    style = ExpertParallel(tokens="split", capacity_factor=CAPACITY if who == "capacity" else None)
+    style = ExpertParallel(tokens="split", capacity_factor=None if who == "split" else CAPACITY)
     parallelize_module(model, mesh, {p: style for p in _experts_paths(model)})
     return data_parallel(model, mesh, dp_dim="ep")
 
 
-def _stepper(model: nn.Module, ids: torch.Tensor) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
+def _train(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+    loss.backward()  # type: ignore[no-untyped-call]
+    opt.step()
+    return loss.detach()
+
+
+def _stepper(model: nn.Module, ids: torch.Tensor, compiled: Any = None
+             ) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
+    """A step of AdamW on `model`; through `compiled` (a `shardwise.compile` of `_train`) if given."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
-        loss.backward()  # type: ignore[no-untyped-call]
-        opt.step()
-        return loss.detach()
-
-    return step, opt
+    train = compiled or _train
+    return (lambda: train(model, opt, ids)), opt
 
 
 def _drop_beyond_capacity(model: nn.Module, rows: int) -> None:
@@ -140,7 +145,7 @@ def _measure(who: str, model: nn.Module, ids: torch.Tensor, step: Callable[[], t
     out: dict[str, Any] = {"losses": []}
     for k in range(2):
         loss = step()
-        if who in ("split", "capacity"):
+        if who in DISPATCH:
             dist.all_reduce(loss)
             loss /= EP
             if k == 0:
@@ -176,14 +181,17 @@ def body(settings: Settings) -> dict[str, dict[str, Any]]:
     mesh = sw.init_device_mesh("cpu", (EP,), mesh_dim_names=("ep",))
     out: dict[str, dict[str, Any]] = {}
     steps: dict[str, Callable[[], Optional[torch.Tensor]]] = {}
+    traced: Any = None  # the compiled contender's step
     with quiet():
         for who in WHO:
             if who == "one" and rank != 0:  # the others idle while rank 0 steps alone
                 out[who], steps[who] = {}, lambda: None
                 continue
             model = copy.deepcopy(base) if who == "one" else _parallel(who, copy.deepcopy(base), mesh)
-            batch = ids[rank:rank + 1] if who in ("split", "capacity") else ids
-            step, opt = _stepper(model, batch)
+            batch = ids[rank:rank + 1] if who in DISPATCH else ids
+            compiled = sw.compile(_train) if who == "compiled" else None
+            traced = compiled or traced
+            step, opt = _stepper(model, batch, compiled)
             out[who] = _measure(who, model, batch, step, opt, settings)
             steps[who] = step
             if who == "one":  # the capacity form's reference: one process dropping the same routes
@@ -196,6 +204,8 @@ def body(settings: Settings) -> dict[str, dict[str, Any]]:
         samples = interleaved(steps, settings.repeats, before=dist.barrier)
     for who in WHO:
         out[who]["seconds"] = samples[who]
+    # every signature met (grads present or not at the call) traced into a program, none run eagerly
+    out["compiled"]["programs"] = (traced.programs(), traced.eager()) if traced is not None else (0, 0)
     return out
 
 
@@ -241,8 +251,11 @@ def run(settings: Settings) -> list[Table]:
         if "dropped" in per_rank[0][who]:
             dropped, routes = per_rank[0][who]["dropped"]
             row["dropped"] = f"{dropped} of {routes}"
-        want = per_rank[0]["one"]["dropping_losses" if who == "capacity" else "losses"]
+        want = per_rank[0]["one"]["dropping_losses" if who in ("capacity", "compiled") else "losses"]
         row["loss_error"], row["check"] = (0.0, "-") if who == "one" else _check(per_rank[0][who]["losses"], want)
+        if who == "compiled":
+            row["programs"], row["eager"] = per_rank[0][who]["programs"]
+            row["check"] += "" if row["programs"] and not row["eager"] else " (not replayed: ran eagerly)"
         table.rows.append(row)
     table.notes.append("loss check: the first two steps' losses (the same weights, then one AdamW step on) against "
                        "1 process on the global batch, within 1e-4 relative; token dispatch: the mean over ranks of "
@@ -253,5 +266,7 @@ def run(settings: Settings) -> list[Table]:
                        "running sum during one step (gradients, activations, buffers torch allocates); the dense "
                        "parameters are whole on every rank (data_parallel without shard_parameters), the experts a "
                        f"quarter each; 1 process: rank 0 while the {EP - 1} others wait")
+    table.notes.append("shardwise.compile: the first call makes AdamW's state and runs eagerly, the second is "
+                       "traced, every later one replays the traced program (checked: no signature ran eagerly, loss as eager's)")
     table.notes.append("MiB received: the largest rank's, counted by shardwise.debug.CommCounter around one step")
     return [table]

@@ -214,9 +214,10 @@ def test_the_optimizer_rows_compare_dtensor_steps_with_local_ones(quick_run: Any
 def test_the_moe_rows_dispatch_tokens_and_equal_one_process(quick_run: Any) -> None:
     _, record = quick_run
     rows = {r["who"]: r for r in record["benchmarks"]["moe"]["rows"]}
-    assert len(rows) == 4, list(rows)
-    one, replicated, split, capacity = rows.values()
-    for r in (replicated, split, capacity):  # the loss of one process on the global batch (dropping alike)
+    assert len(rows) == 5, list(rows)
+    one, replicated, split, capacity, compiled = rows.values()
+    assert compiled["programs"] >= 1 and compiled["eager"] == 0, compiled  # it replays: no host synchronisation
+    for r in (replicated, split, capacity, compiled):  # the loss of one process on the global batch (dropping alike)
         assert r["check"] == "ok" and r["peak_vs_one"] is not None and isinstance(r["step_ms"], float), r
     assert set(replicated["collective_counts"]) == {"all_reduce"}, replicated  # one per MoE layer
     assert set(split["collective_counts"]) == {"all_to_all", "all_reduce"}, split  # routes; the dense gradients

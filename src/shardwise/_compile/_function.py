@@ -86,6 +86,7 @@ __all__ = ["MAX_SIGNATURES", "CompiledFunction", "compile"]
 
 MAX_SIGNATURES = 32  # programs (and refusals) one compiled function keeps, the most recent
 _EAGER = object()  # a signature that runs eagerly (its trace was refused)
+_MAKES_STATE = object()  # a signature that runs eagerly (it creates optimizer state: a first step)
 _RETRY = object()  # a signature whose first trace was refused: traced once more
 _FIRST_STEP = "fn created optimizer state (a first step): later calls, with the state, are traced and replayed"
 _TRACING = [False]  # a trace is running (on this process: tracing holds `_trace`'s lock)
@@ -112,7 +113,7 @@ class CompiledFunction:
         program = self._programs.get(key)
         if program is None or program is _RETRY:
             return self._trace(key, args, kwargs, leaves, slots, state, lrs)
-        if program is _EAGER:
+        if program is _EAGER or program is _MAKES_STATE:
             return self._fn(*args, **kwargs)
         assert isinstance(program, Program)
         return program.run(leaves + state, slots)
@@ -137,6 +138,10 @@ class CompiledFunction:
     def programs(self) -> int:
         """How many signatures have been traced into a replayable program."""
         return sum(isinstance(p, Program) for p in self._programs.values())
+
+    def eager(self) -> int:
+        """How many signatures run eagerly because their trace was refused (a warning said why)."""
+        return sum(p is _EAGER for p in self._programs.values())
 
     def _trace(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
                slots: list[Slot], state: list[Any], lrs: dict[int, torch.Tensor]) -> Any:
@@ -176,7 +181,7 @@ class CompiledFunction:
             # values read on a first call may come from one-time work (caches filling, the ranks
             # checking a plain tensor once): the second call traces again before giving up
             retry = reason is not _FIRST_STEP and self._programs.get(key) is not _RETRY
-            self._remember(key, _RETRY if retry else _EAGER)
+            self._remember(key, _RETRY if retry else _MAKES_STATE if reason is _FIRST_STEP else _EAGER)
             if not retry and reason not in self._warned and reason is not _FIRST_STEP:
                 self._warned.add(reason)
                 name = getattr(self._fn, "__qualname__", repr(self._fn))
