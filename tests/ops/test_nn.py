@@ -22,7 +22,7 @@ from shardwise._layout import contiguous_strides
 from shardwise._ops import Layout, LocalCall, LocalFn, OpSchema, OpStrategy, PlacementStrategy, get_op_strategy, propagate, rule_for
 from shardwise._spec import DTensorSpec, TensorMeta
 
-from ..strategy_sim import SimRank, _terms, assemble_output, coordinates, default_layouts
+from ..strategy_sim import SimRank, _terms, assemble_output, coordinates, default_layouts, first_time
 
 aten = torch.ops.aten
 MESHES = [(4,), (2, 2)]
@@ -118,12 +118,15 @@ def check_nn(op: Any, args: Sequence[Any], kwargs: Optional[dict[str, Any]] = No
     combos = ([[Layout(tuple(p)) for p in combo] for combo in layouts] if layouts
               else default_layouts(tensors, len(mesh_shape)))
     mesh = AbstractMesh(tuple(mesh_shape))
-    count = 0
+    count, seen = 0, set()
     for combo in combos:
         schema = _schema(op, args, kwargs, mesh, combo)
         strategy = fn(schema)
         assert isinstance(strategy, OpStrategy)
         for cand in strategy.strategies:
+            if not first_time(seen, cand, combo):  # the same simulation as one already checked
+                count += 1
+                continue
             got = _simulate(op, args, kwargs, mesh_shape, cand, combo, want)
             for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                 if g is not None:
