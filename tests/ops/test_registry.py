@@ -40,16 +40,24 @@ aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _probe(*how: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "tests.ops.registry_probe", *how], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)  # type: ignore[no-any-return]
+def _probes(*hows: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each probe's answers, the probes run side by side (fresh interpreters)."""
+    running = [subprocess.Popen([sys.executable, "-m", "tests.ops.registry_probe", *how], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for how in hows]
+    found = []
+    try:
+        for p in running:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            found.append(json.loads(out))
+    finally:
+        for p in running:
+            p.kill()
+    return found
 
 
 def test_ops_answers_the_same_whatever_else_is_imported() -> None:
-    alone = _probe("ops", str(ROOT / "src"))
-    everything = _probe("all")
+    alone, everything = _probes(("ops", str(ROOT / "src")), ("all",))
     # the first interpreter really had only the op layer and what it stands on
     assert "shardwise._tensor" not in alone["layers"] and "shardwise.parallel" not in alone["layers"], alone["layers"]
     assert "shardwise._tensor" in everything["layers"]
