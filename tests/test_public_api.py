@@ -110,15 +110,16 @@ def test_experimental_surface_is_pinned() -> None:
 
 DEBUG = [
     "CommCounter", "CommRecord", "DryCollective", "DryRunReport", "GradientReducer", "ImplicitRedistributionError",
-    "MemoryReport", "RankReport", "cache_info", "comm_log", "dry_mesh", "dry_run", "explain_redistribute", "explicit",
-    "gradient_reducers", "layout_table", "plan_for", "simulating", "visualize_sharding",
+    "MemoryReport", "MoeLayer", "MoeReport", "RankReport", "cache_info", "comm_log", "dry_mesh", "dry_run",
+    "explain_redistribute", "explicit", "gradient_reducers", "layout_table", "moe_report", "plan_for", "simulating",
+    "visualize_sharding",
 ]
 
 
 def test_debug_surface_is_pinned() -> None:
     import shardwise.debug
 
-    assert list(shardwise.debug.__all__) == DEBUG  # issue 46 added GradientReducer, gradient_reducers, dry_mesh, simulating
+    assert list(shardwise.debug.__all__) == DEBUG  # issue 46 added GradientReducer, gradient_reducers, dry_mesh, simulating; issue 47 MoeLayer, MoeReport, moe_report
 
 
 def test_checkpoint_state_dict_mirrors_torchs_functions() -> None:

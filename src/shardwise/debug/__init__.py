@@ -8,7 +8,9 @@
 - `dry_run(step, *args, mesh=AbstractMesh(shape, names))`: one step of a model sharded on an
   abstract mesh, run with meta tensors as one rank of a mesh of any size: every collective
   (kind, mesh dims, bytes, op, module) and the memory per rank (parameters, gradients,
-  optimizer state, activations), as a table or JSON.
+  optimizer state, activations), as a table or JSON; with a MoE section per experts module
+  that dispatches tokens (all_to_all bytes per pass, expert memory) under `routing=`.
+- `moe_report(model, counter, optimizer)`: the same MoE section for a real run's step.
 - `dry_mesh(shape, mesh_dim_names=...)`: the mesh a dry run shards over, with no processes
   behind it (`init_device_mesh`'s dry twin); `simulating(rank)` picks the rank it plays.
 - `visualize_sharding(dtensor)` (or a shape with mesh= and placements=): which rank holds
@@ -28,6 +30,7 @@ from .._tensor import GradientReducer
 from ._caches import cache_info
 from ._counter import CommCounter
 from ._dry_run import dry_run
+from ._moe import MoeLayer, MoeReport, moe_report
 from ._reducers import gradient_reducers
 from ._report import DryCollective, DryRunReport, MemoryReport, RankReport
 from ._visualize import layout_table, visualize_sharding
@@ -40,6 +43,8 @@ __all__ = [
     "GradientReducer",
     "ImplicitRedistributionError",
     "MemoryReport",
+    "MoeLayer",
+    "MoeReport",
     "RankReport",
     "cache_info",
     "comm_log",
@@ -49,6 +54,7 @@ __all__ = [
     "explicit",
     "gradient_reducers",
     "layout_table",
+    "moe_report",
     "plan_for",
     "simulating",
     "visualize_sharding",

@@ -16,7 +16,10 @@ each collective with an empty result of the right shape. What the run sees:
   (their `.grad`), optimizer state (every tensor in the optimizers' `state`), unsharded
   (the parameters a `fully_shard` unit holds gathered, and its gathers in flight: counted
   from the gather to the free, listed per unit; only for programs with units), activations
-  (everything else).
+  (everything else);
+- per experts module that dispatches tokens (`ExpertParallel(tokens="split")`), its
+  all_to_all bytes per pass and this rank's expert memory (`_moe`), for the routing given
+  as `routing=` (uniform when not given: meta tensors carry no router output).
 
 Modules and optimizers are found among `fn`'s arguments (also inside lists, tuples and
 dicts); tensors among them that are not DTensors are moved to the meta device first.
@@ -37,18 +40,20 @@ from torch.overrides import TorchFunctionMode
 from .._comm import SIMULATION, CommRecord, Simulation
 from .._mesh import AbstractMesh, collective_timeout
 from .._mesh import PER_RANK_CACHES, DryMesh, _caches_for, as_device_mesh, simulated_rank, simulating
+from .._moe_routing import Routing, routing_in_dry_run
 from .._tensor import DTENSOR_CLASSES
 from ..pipeline import PipelineError
 from ..fsdp._state import snapshot
 from ._counter import CommCounter
 from ._memory import MemoryTracker
+from ._moe import dispatching_experts, moe_section
 from ._report import DryCollective, DryRunReport, RankReport
 
 __all__ = ["dry_run"]
 
 
 def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optional[Sequence[int]] = None,
-            **kwargs: Any) -> DryRunReport:
+            routing: Any = None, **kwargs: Any) -> DryRunReport:
     """Run `fn(*args, **kwargs)` as rank(s) `ranks` (default: rank 0) of the abstract `mesh`
     with meta tensors, and report what each rank would send and hold (see the module docstring).
 
@@ -63,6 +68,14 @@ def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optio
     step a `DistributedPipe` on the abstract mesh: then give the ranks of every stage, and
     let `fn` build the model (each rank keeps only its stages) and return the pipe and its
     optimizer, for the memory split.
+
+    `routing` says how the routers of experts modules under `ExpertParallel(tokens="split")`
+    spread their routes, since meta tensors carry no router output: "uniform" (the default),
+    a share per expert, or a function `(ep_rank, tokens, top_k, num_experts) -> routes per
+    expert` (`shardwise._moe_routing`). Dropless dispatch sizes its all_to_alls from it, so
+    the bytes reported are those a real run routed that way sends; each rank's report then
+    has a MoE section (`RankReport.moe`): per experts module, the all_to_all bytes per pass
+    and the rank's expert parameters, gradients and optimizer state.
     """
     if not callable(fn):
         raise TypeError(f"dry_run runs a callable (one training step), got {type(fn).__name__}")
@@ -82,14 +95,17 @@ def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optio
     sim = Simulation(ranks, _caches_for)
     for clear in PER_RANK_CACHES:  # every dry run starts as a process's first step: ops plan (and check) afresh
         clear()
-    parent = contextvars.copy_context()  # the caller's door hooks (a comm_log around the dry run) hold inside
+    given = Routing.default() if routing is None else Routing.of(routing)
+    _check_routing(given, found)
+    with routing_in_dry_run(given):  # the caller's door hooks (a comm_log around the dry run) hold inside too
+        parent = contextvars.copy_context()
 
     def play(number: int, rank: int) -> None:
         sim.wait_turn(rank)
         try:
             if number:
                 saved.restore()
-            reports[rank] = _one_rank(fn, args, kwargs, found, dry, rank)
+            reports[rank] = _one_rank(fn, args, kwargs, found, dry, rank, given)
         except BaseException as exc:
             errors[rank] = exc
         finally:
@@ -122,6 +138,19 @@ def dry_run(fn: Callable[..., Any], *args: Any, mesh: AbstractMesh, ranks: Optio
             exc.add_note(f"(dry run: raised on simulated rank {rank}; simulated ranks {failed} failed)")
         raise exc
     return DryRunReport(dry.shape, dry.mesh_dim_names, [reports[r] for r in ranks], time.perf_counter() - start)
+
+
+def _check_routing(routing: Routing, found: list[Any]) -> None:
+    """Shares for as many experts as the dispatching experts modules among the arguments have."""
+    if routing.kind != "shares":
+        return
+    wrong = sorted({(path, int(getattr(m, "num_experts"))) for path, m in
+                    dispatching_experts([x for x in found if isinstance(x, nn.Module)])
+                    if getattr(m, "num_experts") != len(routing.shares)})
+    if wrong:
+        path, n = wrong[0]
+        raise ValueError(f"dry_run(routing=...) gives {len(routing.shares)} shares, but {path or '(model)'} routes over "
+                         f"{n} experts: give one share per expert")
 
 
 def _dry_mesh(mesh: Any) -> DryMesh:
@@ -232,7 +261,7 @@ class _State:
 
 
 def _one_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], found: list[Any], dry: DryMesh,
-              rank: int) -> RankReport:
+              rank: int, routing: Routing) -> RankReport:
     modules = [m for m in found if isinstance(m, nn.Module)]
     optimizers = [o for o in found if isinstance(o, torch.optim.Optimizer)]
     memo: dict[int, torch.Tensor] = {}
@@ -252,8 +281,11 @@ def _one_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
                 all(x is not y for y in found)]  # what fn built and returned (a pipe, its optimizer)
         modules += [m for m in more if isinstance(m, nn.Module)]
         optimizers += [o for o in more if isinstance(o, torch.optim.Optimizer)]
-        return RankReport(rank, tuple(dry.get_coordinate() or ()), counter.collectives(dry),
-                          memory.report(modules, optimizers), sorted(memory.uneven, key=str), dict(memory.flops))
+        collectives = counter.collectives(dry)
+        moe = moe_section(modules, optimizers, [(c.kind, c.module, c.pass_, c.bytes) for c in collectives],
+                          routing.describe())
+        return RankReport(rank, tuple(dry.get_coordinate() or ()), collectives, memory.report(modules, optimizers),
+                          sorted(memory.uneven, key=str), dict(memory.flops), moe)
 
 
 class _Recorder(CommCounter):

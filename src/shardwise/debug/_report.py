@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from ._moe import MoeReport
+
 __all__ = ["CATEGORIES", "UNSHARDED", "DryCollective", "DryRunReport", "MemoryReport", "RankReport"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
@@ -67,6 +69,7 @@ class RankReport:
     memory: MemoryReport
     uneven: list[str]
     flops: dict[str, int] = field(default_factory=dict)  # per pass, of the ops torch counts FLOPs of
+    moe: Optional[MoeReport] = None  # the experts modules that dispatch tokens (`_moe`), when there are some
 
     def totals(self, which: Optional[str] = None) -> dict[str, tuple[int, int]]:
         """(count, bytes received) per collective kind, of one pass or both."""
@@ -119,6 +122,7 @@ class DryRunReport:
                 "totals": {k: {"count": n, "bytes": b} for k, (n, b) in r.totals().items()},
                 "memory": asdict(r.memory),
                 "collectives": [{**asdict(c), "pass": c.pass_} for c in r.collectives],
+                "moe": None if r.moe is None else asdict(r.moe),
             } for r in self.ranks],
         }
 
@@ -164,6 +168,8 @@ def _rank_text(r: RankReport, report: DryRunReport) -> list[str]:
         held = [f"{path or '(model)'} {_size(n)}" for path, n in m.units.items() if n]
         lines.append(f"  fsdp units unsharded at the peak: {m.units_unsharded_at_peak} of {len(m.units)}"
                      + (f": {', '.join(held)}" if held else ""))
+    if r.moe is not None:
+        lines += r.moe.lines()
     if r.flops:
         lines.append("  FLOPs: " + ", ".join(f"{k} {v / 1e9:.3g} G" for k, v in r.flops.items()))
     comm: dict[str, list[int]] = {}

@@ -42,6 +42,7 @@ import torch
 from .._compile import mark_persistent
 from .._layout import chunk_range
 from ._cp_comm import CpGroup, all_to_all_heads, gather_pieces
+from ._moe_dry import exchanged_sizes
 
 __all__ = ["EpRanks", "RouteCounts", "capacity_of", "dispatch_capacity", "dispatch_dropless", "gather_rows",
            "take_rows"]
@@ -137,7 +138,7 @@ def dispatch_dropless(run: RunExperts, x: torch.Tensor, index: torch.Tensor, wei
     order, token, _ = _sorted_routes(index)
     counts = _per_expert(index, ep.num_experts)
     got = all_to_all_heads(counts, 0, 0, ep.counts, (mine,) * p, g)  # (p * mine): routes each rank sends my experts
-    sizes = torch.cat([counts, got]).tolist()  # the layer's one host synchronisation
+    sizes = exchanged_sizes(counts, got, index, ep)  # the layer's one host synchronisation (a dry run: its routing)
     send = tuple(sum(sizes[f:f + c]) for f, c in zip(ep.firsts, ep.counts))
     arrived = sizes[ep.num_experts:]
     recv = tuple(sum(arrived[i * mine:(i + 1) * mine]) for i in range(p))

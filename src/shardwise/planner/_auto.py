@@ -1,8 +1,12 @@
 """`AutoPlanner`: the cheapest way to shard a training step on a mesh, found by dry runs.
 
 Each candidate gives every mesh dim a role: data parallel ("dp"), data parallel with
-parameters, gradients and optimizer state sharded ZeRO-3 style ("zero"), or tensor parallel
-("tp": the Megatron cuts of `MegatronPlanner`, or the `tp_planner` given). A candidate is
+parameters, gradients and optimizer state sharded ZeRO-3 style ("zero"), tensor parallel
+("tp": the Megatron cuts of `MegatronPlanner`, or the `tp_planner` given), or, for a model
+with experts modules (a mixture of experts), expert parallel ("ep": whole experts spread
+over the dim by `ExpertParallel(tokens="split")`, each rank's routes sent to their experts'
+owners by all_to_all, the dense parameters data parallel over it, the batch split as for
+"dp"). A candidate is
 measured, not guessed: the model is copied onto the meta device, sharded for it on an
 `AbstractMesh` of the real shape, and one training step (forward, loss, backward, optimizer
 step; the optimizer's state made beforehand, as in every step but the first) dry-runs as
@@ -20,6 +24,10 @@ reduced before it, as it would be for training, while a split (`Shard`) output s
 Repeated layers are clustered: a model whose largest list of identical blocks has L of them
 dry-runs with 1 block and with 2, and each cost grows by their difference L - 2 more times,
 so a 32-layer model plans about as fast as a 2-layer one.
+
+An "ep" candidate's dry run routes uniformly (every expert the same share of the routes,
+`dry_run`'s default): its all_to_all bytes are those of a balanced router, its memory the
+experts divided over the dim. It is offered on 1-D meshes.
 
 On a 1-D mesh one more candidate, "auto", is the layout solver's plan (`_layout_plan`: a
 layout per parameter and input chosen from every op's strategies by an integer program),
@@ -44,27 +52,32 @@ from torch import nn
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Placement, Replicate, Shard
 from ..debug import dry_run
-from ..parallel import MegatronPlanner, PrepareModuleInput, ShardingPlan, ShardingPlanner, data_parallel, shard_module
+from ..parallel import (ExpertParallel, MegatronPlanner, PrepareModuleInput, ShardingPlan, ShardingPlanner,
+                        data_parallel, parallelize_module, shard_module)
 from ._cost import CostModel, StepCost
 from ._layout_plan import LayoutPlan, plan_layouts
-from ._model import cut_plan, default_loss, meta_copy, repeated, steady
+from ._model import cut_plan, default_loss, experts_modules, meta_copy, repeated, steady
 from ._report import AutoPlanReport, Candidate, Comparison
 from ._solve import MemoryBudgetError
 
 __all__ = ["AutoPlanner", "CandidateLike"]
 
 Roles = tuple[str, ...]
-ROLES = ("dp", "zero", "tp", "auto")
-DATA = ("dp", "zero")  # the roles that split the batch
+ROLES = ("dp", "zero", "tp", "ep", "auto")
+DATA = ("dp", "zero", "ep")  # the roles that split the batch
 PLANNED = ("tp", "auto")  # the roles whose mesh dim a ShardingPlan shards
 # what `compare` measures: roles, a plan (1-D meshes), or a plan and the roles saying where it goes
 CandidateLike = Union[Sequence[str], ShardingPlan, tuple[ShardingPlan, Sequence[str]]]
 
 
 class AutoPlanner(ShardingPlanner):
-    """Chooses a role for every mesh dim of `mesh` (data parallel, ZeRO-3, tensor parallel) by
-    the modelled time of one training step on `example_inputs` (the global batch: data-parallel
-    dims split its dim 0), under `memory_budget` bytes per rank (see the module docstring).
+    """Chooses a role for every mesh dim of `mesh` (data parallel, ZeRO-3, tensor parallel,
+    expert parallel) by the modelled time of one training step on `example_inputs` (the global
+    batch: data-parallel and expert-parallel dims split its dim 0), under `memory_budget` bytes
+    per rank (see the module docstring). The dry runs run a mixture of experts' experts
+    modules on meta tensors: transformers' eager expert loop reads the routes on the host,
+    which they cannot; plan such a model with `experts_implementation="batched_mm"` (or
+    "grouped_mm" in bfloat16).
 
     `loss_fn(output)` makes the loss. The default is `output.loss` when the model returns one,
     else the squared error of the output (its `.logits`, or its first element) against a zero
@@ -112,9 +125,11 @@ class AutoPlanner(ShardingPlanner):
         the whole comparison is in `self.report`."""
         start = time.perf_counter()
         tp_plan = self.tp_planner.build_plan(module)
-        options = [r for r in self._options(bool(tp_plan.plan)) if self._splits(r) and self._valid(module, tp_plan, r)]
+        experts = self.abstract.ndim == 1 and bool(experts_modules(module, self.abstract.shape[0]))
+        options = [r for r in self._options(bool(tp_plan.plan), experts)
+                   if self._splits(r) and self._valid(module, tp_plan, r)]
         self.layouts = None
-        if self.abstract.ndim == 1:
+        if self.abstract.ndim == 1 and not experts:  # (the solver knows no token dispatch: "ep" stands for it)
             try:
                 self.layouts = plan_layouts(module, self.abstract, self.example_inputs, self.loss_fn, self.cost,
                                             memory_budget=self.memory_budget,
@@ -184,10 +199,10 @@ class AutoPlanner(ShardingPlanner):
         dims = _row_dims(self.report.chosen.roles, self.report.plan, inputs)
         return tuple(x if d is None else x.chunk(mesh.size(d))[mesh.get_local_rank(d)] for x, d in zip(inputs, dims))
 
-    def _options(self, can_tp: bool) -> list[Roles]:
+    def _options(self, can_tp: bool, experts: bool) -> list[Roles]:
         if self.abstract.ndim == 1:
             one: list[Roles] = [("dp",), ("zero",)]
-            return one + ([("tp",)] if can_tp else [])
+            return one + ([("tp",)] if can_tp else []) + ([("ep",)] if experts else [])
         if not can_tp:
             raise ValueError(f"a 2-D mesh needs a tensor-parallel dim, but {type(self.tp_planner).__name__} found no "
                              "layer to cut: plan a 1-D mesh, or pass tp_planner=")
@@ -230,7 +245,7 @@ class AutoPlanner(ShardingPlanner):
         if isinstance(given, (tuple, list)) and len(given) == 2 and isinstance(given[0], ShardingPlan):
             plan, roles = given[0], given[1]
             if (isinstance(roles, str) or not isinstance(roles, (tuple, list)) or len(roles) != n
-                    or list(roles).count("tp") != 1 or any(r not in ("tp",) + DATA for r in roles)):
+                    or list(roles).count("tp") != 1 or any(r not in ("tp", "dp", "zero") for r in roles)):
                 raise ValueError(f"compare[{name!r}] = (plan, {roles!r}): give one role per mesh dim of {names}, "
                                  f"'tp' where the plan goes and 'dp' or 'zero' elsewhere, e.g. (plan, {example})")
             return tuple(roles), plan
@@ -242,11 +257,18 @@ class AutoPlanner(ShardingPlanner):
     def _candidate(self, module: nn.Module, roles: Roles, plan: Optional[ShardingPlan] = None) -> Candidate:
         """`roles` measured, with `plan` on the "tp" dim when given (else the roles' own plan)."""
         bad = [r for r in roles if r not in ROLES]
-        if bad or len(roles) != self.abstract.ndim or roles.count("tp") > 1 or ("auto" in roles and roles != ("auto",)):
-            raise ValueError(f"roles {roles} must give each of the {self.abstract.ndim} mesh dims one of {ROLES}, at most "
-                             f"one 'tp' ('auto', the layout solver's plan, on 1-D meshes only)")
+        if bad or len(roles) != self.abstract.ndim or roles.count("tp") > 1 or any(
+                r in roles and roles != (r,) for r in ("auto", "ep")):
+            raise ValueError(f"roles {roles} must give each of the {self.abstract.ndim} mesh dims one of {ROLES}, at "
+                             f"most one 'tp' ('auto', the layout solver's plan, and 'ep', expert parallel, on 1-D "
+                             f"meshes only)")
         if "auto" in roles and self.layouts is None:
             raise ValueError("roles ('auto',) is the layout solver's plan: call build_plan first")
+        if "ep" in roles and not experts_modules(module, self.abstract.shape[0]):
+            raise ValueError(f"roles ('ep',) spread experts modules over the mesh, and {type(module).__name__} has no "
+                             f"experts module that ExpertParallel(tokens=\"split\") takes on {self.abstract.shape[0]} "
+                             f"ranks (stacked experts called as experts(hidden_states, top_k_index, top_k_weights), "
+                             f"at least one per rank): use 'dp' or 'zero'")
         blocks = repeated(module)
         if blocks is None or len(blocks[1]) <= 2:
             cost = self._measure(module, roles, None, plan)
@@ -291,10 +313,15 @@ class AutoPlanner(ShardingPlanner):
 
 
 def _shard(module: nn.Module, mesh: Any, names: tuple[str, ...], roles: Roles, plan: ShardingPlan) -> nn.Module:
-    """`plan` over the "tp" (or "auto") dim, then data parallel (ZeRO-3 for "zero") over the other."""
+    """`plan` over the "tp" (or "auto") dim, or the experts over the "ep" dim, then data
+    parallel (ZeRO-3 for "zero") over the other (for "ep", the same)."""
     planned = [d for d, r in enumerate(roles) if r in PLANNED]
     if planned:
         module = shard_module(module, plan, mesh[names[planned[0]]] if len(roles) > 1 else mesh)
+    if "ep" in roles:  # whole experts over the dim, each rank's routes sent to their owners
+        ep = mesh[names[roles.index("ep")]] if len(roles) > 1 else mesh
+        style = ExpertParallel(tokens="split")
+        parallelize_module(module, ep, {path: style for path in experts_modules(module, ep.size())})
     data = [d for d, r in enumerate(roles) if r in DATA]
     if data:
         data_parallel(module, mesh, dp_dim=names[data[0]], shard_parameters=roles[data[0]] == "zero")

@@ -1,5 +1,5 @@
-"""The model as the planner sees it: a meta copy (no data copied), its repeated blocks, a
-plan cut to the blocks kept, the default loss, and the optimizer's steady state."""
+"""The model as the planner sees it: a meta copy (no data copied), its repeated blocks, its
+experts modules, a plan cut to the blocks kept, the default loss, and the optimizer's steady state."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..parallel import ShardingPlan
+from .._mesh import AbstractMesh
+from ..parallel import ExpertParallel, ShardingPlan
 
-__all__ = ["cut_plan", "default_loss", "meta_copy", "repeated", "steady"]
+__all__ = ["cut_plan", "default_loss", "experts_modules", "meta_copy", "repeated", "steady"]
 
 Blocks = Any  # an nn.ModuleList or nn.Sequential
 
@@ -41,6 +42,14 @@ def default_loss(output: Any) -> torch.Tensor:
         raise TypeError(f"AutoPlanner's default loss takes a tensor output or one with .loss / .logits, got "
                         f"{type(output).__name__}: pass loss_fn=")
     return logits.float().square().mean()
+
+
+def experts_modules(module: nn.Module, ranks: int) -> list[str]:
+    """Paths of the experts modules under `module` that `ExpertParallel(tokens="split")` takes
+    over `ranks` ranks: stacked experts, called with the routes, at least one per rank."""
+    style, mesh = ExpertParallel(tokens="split"), AbstractMesh((ranks,), ("ep",))
+    return [path for path, m in module.named_modules()
+            if isinstance(getattr(m, "num_experts", None), int) and not style.validate(m, mesh)]
 
 
 def repeated(module: nn.Module) -> Optional[tuple[str, Blocks]]:
