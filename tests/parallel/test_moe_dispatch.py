@@ -547,16 +547,6 @@ def test_the_load_balancer_refuses_models_without_a_router_bias_and_bad_coeffici
         ExpertLoadBalancer(MOE["deepseek_v3"](), coeff=0)
 
 
-def test_experts_called_with_tokens_already_spread_are_refused_naming_the_form_that_runs_them() -> None:
-    # Llama 4's experts take every token repeated for every expert, weighted already: nothing to dispatch
-    torch.manual_seed(0)
-    model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
-        **SMALL, head_dim=8, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64))
-    experts = model.model.layers[0].feed_forward.experts
-    with pytest.raises(ValueError, match=r"Llama4TextExperts.forward takes other inputs.*use ExpertParallel\(\) there"):
-        parallelize_module(experts, sw.AbstractMesh((4,), ("ep",)), ExpertParallel(tokens="split"))
-
-
 @pytest.mark.parametrize("which", ["mixtral", "qwen3_moe"])
 @distributed(world_size=4)
 def test_the_auxiliary_load_balancing_loss_is_the_global_batchs(which: str) -> None:

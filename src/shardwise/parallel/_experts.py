@@ -53,6 +53,7 @@ from ._distribute import place_parameter
 from .._tensor import FINGERPRINT_WIDTH, fingerprint, register, same_fingerprint
 from ._cp_comm import CpGroup
 from ._local_params import local_parameters
+from ._moe_llama4 import dispatch_spread_experts, spread_problems, takes_spread_rows
 from ._moe_split import _INPUTS, _takes_three_inputs, _three_inputs, dispatch_own_experts, route_counts
 from ._replicate import _Registered
 from ._style import ParallelStyle
@@ -89,6 +90,8 @@ class ExpertParallel(ParallelStyle):
       rank must then hold the same number of tokens: checked (one small all_gather) the first
       time each count is met; a rank meeting a new count alone while the others do not is a
       collective mismatch, which ends in a `CollectiveError` (at worst the collective timeout).
+      Llama 4's experts, called on every token spread over every expert and scaled by its
+      score (`experts(rows)`), send only the rows the router chose (`_moe_llama4`; dropless).
     - `"sequence"`: each rank holds its own piece of every sequence (context parallelism):
       dispatched as `"split"`, but the ranks' gradients are shares of one loss, summed, not
       averaged (an expert's gradient is not scaled).
@@ -141,11 +144,16 @@ class ExpertParallel(ParallelStyle):
         elif not problems and device_mesh.size() > getattr(module, "num_experts"):
             problems.append(f"ExpertParallel splits whole experts: {getattr(module, 'num_experts')} experts cannot "
                             f"cover {device_mesh.size()} ranks; use a smaller mesh dim for experts")
-        if not problems and self.dispatches and not _takes_three_inputs(module):
+        if not problems and takes_spread_rows(module):  # Llama 4's experts(rows)
+            problems += spread_problems(module, self.capacity_factor) if self.dispatches else [
+                f"ExpertParallel(tokens=\"replicated\") on {type(module).__name__}: its experts take rows spread over "
+                f"every expert (Llama 4), which only token dispatch runs: ExpertParallel(tokens=\"split\") over "
+                f"data-parallel ranks, or (\"split\", \"replicated\") on a (dp, tp) mesh"]
+        elif not problems and self.dispatches and not _takes_three_inputs(module):
             problems.append(f"ExpertParallel(tokens={self.tokens!r}) dispatches the routes an experts module is called "
                             f"with, experts(hidden_states, top_k_index, top_k_weights) (Mixtral, Qwen3-MoE, "
-                            f"DeepSeek-V3, GPT-OSS); {type(module).__name__}.forward takes other inputs (Llama 4's "
-                            f"experts take tokens already spread over every expert): use ExpertParallel() there")
+                            f"DeepSeek-V3, GPT-OSS), or rows spread over every expert (Llama 4); "
+                            f"{type(module).__name__}.forward takes other inputs")
         if not problems and self.dispatches:
             dims = self._token_dims(device_mesh.ndim)
             if len(dims) != device_mesh.ndim:
@@ -181,7 +189,10 @@ class ExpertParallel(ParallelStyle):
             rows = CpGroup(device_mesh.get_group(d), device_mesh.size(d), device_mesh.get_local_rank(d),
                            device_mesh.ranks_along(d), d)
         differ = math.prod(s for s, t in zip(device_mesh.shape, dims) if t == "split")  # data-parallel replicas
-        dispatch_own_experts(module, expert_parameters(module), ep_mesh, self.capacity_factor, rows, 1.0 / differ)
+        if takes_spread_rows(module):
+            dispatch_spread_experts(module, ep_mesh, rows, 1.0 / differ)
+        else:
+            dispatch_own_experts(module, expert_parameters(module), ep_mesh, self.capacity_factor, rows, 1.0 / differ)
         placed = [(f"{type(module).__name__}.{n}", module, n) for n in expert_parameters(module)]
         how = f"avg (1/{differ} on the way back)" if "split" in dims else "sum (shares of one loss)"
         registered = _Registered(ep_mesh, placed, "ExpertParallel",

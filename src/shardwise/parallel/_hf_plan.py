@@ -30,6 +30,11 @@ MoE models carry a second plan for expert parallelism (`model.ep_plan`, the conf
 | ep_dispatch_experts | an experts module | `ExpertParallel(tokens="split")`: whole experts per rank, routes by all_to_all |
 | grouped_gemm | an expert stack | (its module's style splits it by whole experts) |
 
+Llama 4 carries no expert-parallel plan (transformers sees nothing to dispatch in experts called
+on every token spread over every expert); `ExpertParallel(tokens="split")` dispatches them all
+the same (`_moe_llama4`), and the error for the missing plan names the entry that does it:
+`HFPlanner({"model.layers.*.feed_forward.experts": "ep_dispatch_experts"}, plan="ep")`.
+
 Like transformers (and `parallelize_module`), what the plan does not name stays plain: apply
 it with `parallelize_module(model, mesh, HFPlanner())`. A pattern that matches nothing in the
 model (a plan written for a larger family) is left out, as transformers skips it; a style
@@ -135,7 +140,7 @@ class HFPlanner(ShardingPlanner):
             raise ValueError(
                 f"{type(module).__name__} carries no {what} plan (model.{self.plan}_plan / "
                 f"config.base_model_{self.plan}_plan): HFPlanner reads a Hugging Face model's own plan; give it entries "
-                f"through HFPlanner({{...}}) or use MegatronPlanner()"
+                f"through HFPlanner({{...}}) or use MegatronPlanner(){_experts_hint(module, self.plan)}"
             )
         modules = [name for name, _ in module.named_modules()]
         params = dict(module.named_parameters(remove_duplicate=False))
@@ -169,6 +174,19 @@ class HFPlanner(ShardingPlanner):
             raise ValueError(f"HFPlanner cannot apply {type(module).__name__}'s tensor-parallel plan:\n"
                              + "\n".join(f"  - {p}" for p in problems))
         return ShardingPlan(plan)
+
+
+def _experts_hint(model: nn.Module, plan: str) -> str:
+    """For an expert-parallel plan a model lacks (Llama 4's: transformers sees nothing to dispatch in
+    experts called on every token spread over every expert), the entries that dispatch the experts
+    its tensor-parallel plan names."""
+    if plan != "ep":
+        return ""
+    modules = [name for name, _ in model.named_modules()]
+    keys = [k for k, v in hf_tp_plan(model, "tp").items() if v == "moe_tp_experts" and any(match(k, n) for n in modules)]
+    if not keys:
+        return ""
+    return f"; its experts dispatch with HFPlanner({{{keys[0]!r}: 'ep_dispatch_experts'}}, plan='ep')"
 
 
 @dataclass(frozen=True, kw_only=True)
