@@ -20,6 +20,8 @@ import shardwise as sw
 from shardwise.parallel import ExpertParallel, HFPlanner, data_parallel, parallelize_module, route_counts
 from shardwise.testing import distributed
 
+from .test_moe_dispatch import pipe_three_steps
+
 transformers = pytest.importorskip("transformers")
 
 EXPERTS = "model.layers.*.feed_forward.experts"
@@ -137,21 +139,8 @@ def test_llama4_ep_spanning_tp_and_inside_a_dp_x_pp_pipeline_trains_like_one_pro
         parallelize_module(layer.feed_forward.experts, mesh["dp"], ExpertParallel(tokens="split"))
     layers = torch.nn.Sequential(_Embed(model), *(_Layer(model, i) for i in range(2)), _Head(model))
     pipe = DistributedPipe(layers, [2, 2], mesh, schedule="1f1b", chunks=2, loss_fn=_next_token_loss)
-    opts = [torch.optim.AdamW(reference.parameters(), lr=1e-2), torch.optim.AdamW(pipe.parameters(), lr=1e-2)]
-    g = torch.Generator().manual_seed(1)
-    dp = mesh.get_local_rank("dp")
-    for _ in range(3):
-        ids = torch.randint(0, 64, (8, 8), generator=g)
-        _loss(reference, ids).backward()
-        pipe.step(ids[4 * dp:4 * dp + 4], ids[4 * dp:4 * dp + 4])
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    mine = {id(p) for p in pipe.parameters()}
-    diffs = [((q.full_tensor() if isinstance(q, sw.DTensor) else q).detach() - p.detach()).abs().max().item()
-             for p, q in zip(reference.parameters(), model.parameters()) if id(q) in mine]
-    pipe.close()
-    assert diffs and max(diffs) < 1e-10, ("dp x pp", max(diffs))
+    worst = pipe_three_steps(reference, model, pipe, mesh, _loss)
+    assert worst < 1e-10, ("dp x pp", worst)
 
 
 def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
