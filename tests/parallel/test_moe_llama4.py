@@ -204,6 +204,15 @@ def test_llama4_ep_over_the_cp_ranks_of_a_context_parallel_model_equals_one_proc
     for (name, p), r in zip(model.named_parameters(), reference.parameters()):
         grad = p.grad.full_tensor() if isinstance(p.grad, sw.DTensor) else p.grad
         assert (grad - r.grad).abs().max().item() < 1e-10, name
+    # regression: past attention_chunk_size each rank's local mask looked causal and was taken for
+    # the global causal rule, so chunked attention silently attended across chunks (loss 1.5e-3
+    # off); NoPE temperature tuning read local positions (1.1e-5 off). Both are refused on every rank
+    for sizes, says in [(dict(attention_chunk_size=8), "attention_chunk_size=8 attends a sequence of 30"),
+                        (dict(floor_scale=16), "floor_scale=16 on")]:
+        model = _model(**sizes)
+        parallelize_module(model, mesh, ContextParallel())
+        with pytest.raises(ValueError, match=says):
+            model(input_ids=ids, labels=ids)
 
 
 def _block(num_experts: int, k: int) -> Any:
