@@ -287,3 +287,27 @@ def test_public_surface() -> None:
         "run_distributed",
         "shutdown_pools",
     ]
+
+
+def test_a_group_that_keeps_no_sequence_number_is_left_out_of_the_collective_counts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # regression: a body that left torchtitan's "fake" groups alive failed after it finished:
+    # "ProcessGroup custom does not yet support sequence numbers"
+    from torch.distributed import distributed_c10d as c10d
+
+    from shardwise.testing import _worker
+
+    class Group:
+        def __init__(self, name: str, count: int | None) -> None:
+            self.group_name, self.count = name, count
+
+        def _get_sequence_number_for_group(self) -> int:
+            if self.count is None:
+                raise RuntimeError("ProcessGroup custom does not yet support sequence numbers")
+            return self.count
+
+    class World:
+        pg_map = {Group("gloo", 7): None, Group("fake", None): None}
+
+    monkeypatch.setattr(c10d, "_world", World())
+    assert _worker._collective_counts() == {"gloo": 7}
