@@ -81,8 +81,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           flush=True)
     tables: dict[str, Any] = {}
     errors: dict[str, str] = {}
+    seconds: dict[str, float] = {}  # each benchmark's wall time, where a slow smoke test spends it
     try:
         for name in args.names:
+            started = time.monotonic()
             try:
                 for table in BENCHMARKS[name](settings):
                     table.load = load_average()
@@ -91,8 +93,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except Exception as exc:
                 errors[name] = "".join(traceback.format_exception(exc))
                 print(f"== {name}: FAILED\n{errors[name]}", flush=True)
+            seconds[name] = round(time.monotonic() - started, 1)
     finally:
         shutdown_pools()
+    info["seconds"] = seconds
+    print("wall seconds per benchmark: " + ", ".join(f"{n} {s:g}" for n, s in seconds.items()), flush=True)
     info["load_average_end"] = list(load_average())
     out = args.out or ROOT / "bench" / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     for key in ("cpu_count", "torch", "timestamp", "load_average_start", "load_average_end"):
         assert machine.get(key) is not None, f"machine info lacks {key}: {machine}"
     assert len(machine["load_average_start"]) == 3 and len(machine["load_average_end"]) == 3
+    assert {"overhead", "moe"} <= set(machine["seconds"]) and all(s >= 0 for s in machine["seconds"].values())
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint",
