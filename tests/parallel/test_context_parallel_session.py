@@ -81,7 +81,7 @@ def test_a_block_leaves_no_context_parallel_state_behind_nested_or_failed() -> N
 
 def _window_now() -> Optional[int]:
     session = current_session()
-    return session.window if session is not None else -1  # -1: no session
+    return session.layer.rule.window if session is not None else -1  # -1: no session
 
 
 class _Probe(nn.Module):
@@ -124,7 +124,7 @@ def test_the_session_notes_the_window_of_the_layer_running_and_lets_go_of_it() -
         sliding(torch.zeros(1))
         full(torch.zeros(1))
         probe(torch.zeros(1))
-        assert session.windows == []  # every layer left
+        assert session.layers == []  # every layer left
     full(torch.zeros(1))  # outside every session
     # a session opened inside the sliding layer keeps its window; a full layer has none
     assert sliding.seen == [3] and probe.seen == [3, None] and full.seen == [None, -1]

@@ -23,7 +23,7 @@ import torch
 from .._comm import all_gather_ints
 from ._cp_comm import CpGroup
 from ._cp_layout import SequenceLayout
-from ._cp_mask import Masking, documents_of, model_mask_kind
+from ._cp_mask import LayerRule, Masking, documents_of, model_mask_kind
 from ._cp_rotation import ALL_GATHER, Call, Rotation, Sdpa
 
 __all__ = ["CpAttention"]
@@ -46,16 +46,16 @@ class CpAttention:
         """The rotation's name, as `set_rotate_method` takes it."""
         return self.rotation.name
 
-    def __call__(self, sdpa: Sdpa, window: Optional[int], query: torch.Tensor, key: torch.Tensor,
+    def __call__(self, sdpa: Sdpa, layer: LayerRule, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                  is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
-        """One SDPA call's arguments (this rank's tokens), `sdpa` torch's own, `window` the sliding
-        window of the attention layer running (None: the whole causal past)."""
+        """One SDPA call's arguments (this rank's tokens), `sdpa` torch's own, `layer` the sliding
+        window or chunks of the attention layer running."""
         if self.position_ids is not None:  # the ranks may have taken different paths: agree first
             masking, key, value, enable_gqa = self._agree(query, key, value, attn_mask, dropout_p, is_causal,
-                                                          enable_gqa, window)
+                                                          enable_gqa, layer)
         else:
-            masking = self._masking(query, key, value, attn_mask, dropout_p, is_causal, window)
+            masking = self._masking(query, key, value, attn_mask, dropout_p, is_causal, layer)
         return self.rotation.attend(Call(self.layout, self.cp, sdpa, query, key, value, masking, scale, enable_gqa))
 
     @cached_property
@@ -81,7 +81,7 @@ class CpAttention:
     # -- checks ---------------------------------------------------------------------------------
 
     def _agree(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-               dropout_p: float, is_causal: bool, enable_gqa: bool, window: Optional[int]
+               dropout_p: float, is_causal: bool, enable_gqa: bool, layer: LayerRule
                ) -> tuple[Masking, torch.Tensor, torch.Tensor, bool]:
         """With packed documents a model may take different paths on different ranks: it
         builds a mask where its local position ids show a document boundary and none
@@ -92,7 +92,7 @@ class CpAttention:
         problem: Optional[ValueError] = None
         masking = Masking(is_causal)
         try:
-            masking = self._masking(q, k, v, attn_mask, dropout_p, is_causal, window)
+            masking = self._masking(q, k, v, attn_mask, dropout_p, is_causal, layer)
         except ValueError as exc:
             problem = exc
         heads = (k.size(-3), v.size(-3)) if k.dim() >= 3 and v.dim() >= 3 else (0, 0)
@@ -110,7 +110,7 @@ class CpAttention:
         return masking, k, v, enable_gqa
 
     def _masking(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                 dropout_p: float, is_causal: bool, window: Optional[int]) -> Masking:
+                 dropout_p: float, is_causal: bool, layer: LayerRule) -> Masking:
         """The rules of this call in global terms; every problem with the call raised at once."""
         mine, length = self.layout.lengths[self.cp.rank], self.layout.length
         problems = []
@@ -126,9 +126,9 @@ class CpAttention:
                             "train with attention dropout 0 (the default of most causal LMs)")
         problems += self.rotation.problems(q, k, attn_mask, self.cp.size)
         documents = self.documents
-        masking = Masking(is_causal, documents, window=window)
+        masking = Masking(is_causal, documents, layer=layer)
         if attn_mask is not None and not problems:
-            masking, problem = self._explicit(attn_mask, is_causal, documents, mine, window)
+            masking, problem = self._explicit(attn_mask, is_causal, documents, mine, layer)
             if problem:
                 problems.append(problem)
         if problems:
@@ -137,10 +137,10 @@ class CpAttention:
         return masking
 
     def _explicit(self, attn_mask: torch.Tensor, is_causal: bool, documents: Optional[torch.Tensor], mine: int,
-                  window: Optional[int]) -> tuple[Masking, str]:
+                  layer: LayerRule) -> tuple[Masking, str]:
         shape, length = tuple(attn_mask.shape), self.layout.length
         if len(shape) >= 2 and shape[-2:] == (mine, length):  # the caller's rows over every key: taken as they are
-            return Masking(is_causal, documents, attn_mask, window), ""
+            return Masking(is_causal, documents, attn_mask, layer), ""
         if len(shape) >= 2 and shape[-2:] == (mine, mine):  # the model's own mask of this rank's tokens
             if self.position_ids is None:
                 return Masking(is_causal), (
@@ -148,13 +148,13 @@ class CpAttention:
                     "position_ids when it has no cache): pass the same position ids to "
                     "context_parallel(..., position_ids=...) so the mask is rebuilt by global position")
             local = self.position_ids[:, self.layout.index(self.cp.rank, self.position_ids.device)]
-            causal = model_mask_kind(attn_mask, local, window)
+            causal = model_mask_kind(attn_mask, local, layer)
             if causal is None:
                 return Masking(is_causal), (
                     f"an attn_mask of shape {shape} over this rank's tokens that is not what the position ids imply "
                     "(causal within each document): a padding mask or other rule cannot be read from one rank's "
                     f"tokens; give a mask over the whole sequence's keys, of shape (..., {mine}, {length})")
-            return Masking(causal, documents, window=window), ""
+            return Masking(causal, documents, layer=layer), ""
         return Masking(is_causal), (
             f"an attn_mask of shape {shape}: under context_parallel a mask gives this rank's {mine} queries' rows "
             f"over all {length} keys in sequence order, shape (..., {mine}, {length}) (a mask over the whole "

@@ -60,7 +60,7 @@ class Call:
     def plain(self) -> bool:
         """Causal or full attention the fused CPU kernel serves chunk pair by chunk pair (`_cp_flash`)."""
         m = self.masking
-        return m.documents is None and m.explicit is None and m.window is None and flash_available(self.query)
+        return m.plain and flash_available(self.query)
 
 
 class Rotation(abc.ABC):
@@ -162,7 +162,7 @@ class Ulysses(Rotation):
             rows = gather_pieces(masking.explicit, masking.explicit.dim() - 2, pieces, cp)
             masking = Masking(masking.causal, masking.documents, rows)
         order = layout.gathered_index(q.device)
-        if masking.documents is None and masking.explicit is None and masking.window is None:
+        if masking.plain:
             # in sequence order SDPA's own causal flag serves
             back = torch.argsort(order)  # gathered slot of each position
             out = call.sdpa(q_h.index_select(seq, back), k_h.index_select(seq, back), v_h.index_select(seq, back),

@@ -3,7 +3,7 @@
 A `CpSession` is what `context_parallel(...)`, the `ContextParallel` style and a
 context-parallel pipeline stage enter. It holds the block's `CpAttention` (layout, cp
 group, the rotation chosen when it was made), the buffers it cut (`SplitBuffers`), the
-sliding windows of the attention layers running now, and, while open, the torch function
+rules of the attention layers running now (sliding window, chunks), and, while open, the torch function
 mode that sends every `F.scaled_dot_product_attention` call to that attention. On exit the
 buffers are whole again, the mode is popped, and nothing of the block remains.
 
@@ -23,14 +23,21 @@ Two things must be process-wide, and are kept to these:
   checkpointing) would call torch's SDPA over this rank's tokens alone; the function a
   model looks up at call time (as transformers' sdpa attention does) sends that call to the
   open session instead. (b) A forward pre-hook and a forward hook on every module, which
-  note the sliding window of the attention layer running: `context_parallel` is not given
-  the model, so its layers can be found no other way.
+  note the attention layer running (its sliding window or chunks, `LayerNote`):
+  `context_parallel` is not given the model, so its layers can be found no other way.
+
+One layer kind reads positions without position ids: Llama 4's NoPE layers with
+`attn_temperature_tuning` scale each query by `torch.arange(tokens)`, which on a cp rank
+counts its own piece from 0. While such a layer runs, the mode answers exactly that call
+(`torch.arange(n)` for this rank's n tokens) with the global positions of the rank's tokens,
+so each query is scaled as in one process.
 Outside every block `F.scaled_dot_product_attention` is torch's own and no hook is left.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from contextvars import ContextVar, Token
 from typing import Any, Callable, Optional
 
@@ -41,8 +48,9 @@ from torch.utils.hooks import RemovableHandle
 
 from ._cp_attention import CpAttention
 from ._cp_buffers import SplitBuffers
+from ._cp_mask import WHOLE_PAST, LayerRule
 
-__all__ = ["CpSession", "cp_mode_on", "current_cp_attention", "current_session", "recomputed_under"]
+__all__ = ["CpSession", "LayerNote", "cp_mode_on", "current_cp_attention", "current_session", "recomputed_under"]
 
 _TORCH_SDPA = F.scaled_dot_product_attention  # torch's own (a constant: what the module held at import)
 
@@ -54,23 +62,33 @@ class CpSession:
     def __init__(self, attention: CpAttention, buffers: Optional[SplitBuffers] = None) -> None:
         self.attention = attention
         self.buffers = buffers
-        self.windows: list[Optional[int]] = []  # the sliding windows of the attention layers running, innermost last
+        self.layers: list[LayerNote] = []  # the attention layers running, innermost last
         self._open: Optional[tuple[Token[Optional[CpSession]], _CpMode]] = None
 
     @property
-    def window(self) -> Optional[int]:
-        """The sliding window of the attention layer running now (None: the whole causal past)."""
-        return self.windows[-1] if self.windows else None
+    def layer(self) -> LayerNote:
+        """The attention layer running now (outside every one: the whole causal past)."""
+        return self.layers[-1] if self.layers else _NO_LAYER
 
     def attend(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One `F.scaled_dot_product_attention(*args, **kwargs)` call, context-parallel."""
-        return self.attention(_TORCH_SDPA, self.window, *args, **kwargs)
+        return self.attention(_TORCH_SDPA, self.layer.rule, *args, **kwargs)
+
+    def positions(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
+        """The global positions of this rank's tokens, for a `torch.arange(*args, **kwargs)` call
+        that counts them inside a layer that reads positions so (see the module docstring);
+        None for any other call."""
+        mine = self.attention.layout.lengths[self.attention.cp.rank]
+        if not (self.layer.counts_positions and len(args) == 1 and isinstance(args[0], int) and args[0] == mine
+                and set(kwargs) <= {"device"}):
+            return None
+        return self.attention.layout.index(self.attention.cp.rank, kwargs.get("device") or "cpu")
 
     def __enter__(self) -> CpAttention:
         if self._open is not None:
             raise RuntimeError("a CpSession is entered once at a time: make one per block")
-        outer = _SESSION.get()  # a block opened inside an attention layer keeps that layer's window
-        self.windows = list(outer.windows) if outer is not None else []
+        outer = _SESSION.get()  # a block opened inside an attention layer keeps that layer's rules
+        self.layers = list(outer.layers) if outer is not None else []
         if self.buffers is not None:
             self.buffers.cut()
         token = _SESSION.set(self)
@@ -91,13 +109,13 @@ class CpSession:
             self.buffers.restore(failed=kind is not None)
 
     def enter_layer(self, module: torch.nn.Module) -> None:
-        is_attention, window = _window_of(module)
-        if is_attention:
-            self.windows.append(window)
+        note = _note_of(module)
+        if note is not None:
+            self.layers.append(note)
 
     def leave_layer(self, module: torch.nn.Module) -> None:
-        if self.windows and _window_of(module)[0]:
-            self.windows.pop()
+        if self.layers and _note_of(module) is not None:
+            self.layers.pop()
 
 
 class _CpMode(TorchFunctionMode):
@@ -112,6 +130,10 @@ class _CpMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _TORCH_SDPA:
             return self.session.attend(args, kwargs)
+        if func is torch.arange:
+            positions = self.session.positions(args, kwargs)
+            if positions is not None:
+                return positions
         return func(*args, **kwargs)
 
 
@@ -157,15 +179,38 @@ def _sdpa_or_recompute(*args: Any, **kwargs: Any) -> Any:
     return _TORCH_SDPA(*args, **kwargs)
 
 
-def _window_of(module: torch.nn.Module) -> tuple[bool, Optional[int]]:
-    """(whether `module` is an attention layer, its sliding window): transformers' attention
-    modules carry `is_causal`; Qwen2's and Gemma's a `sliding_window` of their own (None on
-    full layers), Mistral's only in its config."""
+@dataclass(frozen=True)
+class LayerNote:
+    """An attention layer as context parallelism sees it: its `rule` (sliding window, chunks)
+    and whether it `counts_positions` with `torch.arange` (Llama 4's temperature tuning)."""
+
+    rule: LayerRule = WHOLE_PAST
+    counts_positions: bool = False
+
+
+_NO_LAYER = LayerNote()
+
+
+def _note_of(module: torch.nn.Module) -> Optional[LayerNote]:
+    """`module`'s note if it is an attention layer, else None. transformers' attention modules
+    carry `is_causal`; Qwen2's and Gemma's a `sliding_window` of their own (None on full
+    layers), Mistral's only in its config; Llama 4's chunked layers are named in
+    `config.layer_types` and chunk by `config.attention_chunk_size`."""
     if not hasattr(module, "is_causal"):
-        return False, None
-    window = module.sliding_window if hasattr(module, "sliding_window") else getattr(
-        getattr(module, "config", None), "sliding_window", None)
-    return True, window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
+        return None
+    config = getattr(module, "config", None)
+    window = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window", None)
+    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    chunked = isinstance(types, (list, tuple)) and isinstance(index, int) and index < len(types) and \
+        types[index] == "chunked_attention"
+    chunk = getattr(config, "attention_chunk_size", None) if chunked else None
+    return LayerNote(LayerRule(_positive(window), _positive(chunk)),
+                     counts_positions=bool(getattr(module, "attn_temperature_tuning", False))
+                     and not getattr(module, "use_rope", True))
+
+
+def _positive(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _enter_layer(module: torch.nn.Module, _args: Any) -> None:
@@ -181,7 +226,7 @@ def _leave_layer(module: torch.nn.Module, _args: Any, _out: Any) -> None:
 
 
 class _ProcessHooks:
-    """`_sdpa_or_recompute` in torch.nn.functional and the window hooks on every module, in
+    """`_sdpa_or_recompute` in torch.nn.functional and the layer hooks on every module, in
     place while `holders` sessions are open (see the module docstring)."""
 
     def __init__(self) -> None:

@@ -144,7 +144,6 @@ class _Runner:
             whole_loss, positions = self._prepare(named, extra)
         except (TypeError, ValueError) as exc:
             problem = exc
-        problem = problem or _positions_unknown_to_cp(self.module_ref, self.length)
         self._hook_gradients()
         names = [n for n, v in {**named, **extra}.items() if self._along(v)]
         tensors = {n: (named[n] if n in named else extra[n]).clone() for n in names}
@@ -266,27 +265,6 @@ _HINT = ("ContextParallel sums every parameter's gradient over the cp ranks; one
          "ranks (a fully_shard unit or data_parallel over dp alone) needs that sum as well: shard it over a mesh "
          "that holds the cp ranks too (fully_shard(module, mesh=mesh['dp', 'cp']._flatten('dp_cp')), the "
          "dp_shard_cp layout), whose reduction then covers cp")
-
-
-def _positions_unknown_to_cp(module: nn.Module, length: int) -> Optional[ValueError]:
-    """Llama 4's chunked attention and its NoPE layers' temperature tuning depend on positions in
-    ways the context-parallel masks and position ids do not carry yet: refused from the length at
-    which they start to matter, rather than computed wrong (below it they do nothing)."""
-    config = getattr(module, "config", None)
-    config = getattr(config, "text_config", None) or config
-    owner = f"ContextParallel on {type(module).__name__}"
-    chunk = getattr(config, "attention_chunk_size", None)
-    if isinstance(chunk, int) and length > chunk:
-        return ValueError(f"{owner}: attention_chunk_size={chunk} attends a sequence of {length} tokens chunk by "
-                          f"chunk, which context parallelism does not apply yet (its ranks would attend across "
-                          f"chunks); keep sequences to at most {chunk} tokens, or run the model without it")
-    floor = getattr(config, "floor_scale", None)
-    if getattr(config, "attn_temperature_tuning", False) and isinstance(floor, int) and length >= floor:
-        return ValueError(f"{owner}: attn_temperature_tuning scales NoPE layers' attention by each token's position "
-                          f"from floor_scale={floor} on, and under context parallelism the model reads positions "
-                          f"from each rank's piece; keep sequences under {floor} tokens, or set "
-                          f"attn_temperature_tuning=False")
-    return None
 
 
 @contextlib.contextmanager
