@@ -87,13 +87,15 @@ class Redistribute(torch.autograd.Function):
 
 class ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: DTensorBase, grad_spec: DTensorSpec) -> torch.Tensor:
+    def forward(ctx: Any, x: DTensorBase, grad_spec: DTensorSpec, handed_over: bool = False) -> torch.Tensor:
         ctx.grad_spec = grad_spec
         local = x._local_tensor
-        return local.view_as(local)
+        # a view ties later in-place changes of the piece to `x`'s history, which autograd forbids
+        # for a custom function's output; a piece handed over (see `to_local`) is an alias instead
+        return local.detach() if handed_over else local.view_as(local)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:
         if isinstance(grad, DTensorBase):
             # the local tensor went on as a plain tensor counted as replicated (implicit
             # replication): its gradient is a DTensor whose full value is this rank's piece's
@@ -102,7 +104,7 @@ class ToLocal(torch.autograd.Function):
         out = wrap(grad, ctx.grad_spec)
         if misplaced(out)[0]:  # the local gradient came out in another memory order than the global one's
             restride(out)
-        return out, None
+        return out, None, None
 
 
 class FromLocal(torch.autograd.Function):
@@ -130,11 +132,14 @@ class FromLocal(torch.autograd.Function):
         return (local / n if n > 1 else local), None
 
 
-def to_local(x: DTensorBase, grad_spec: Optional[DTensorSpec] = None) -> torch.Tensor:
-    """`x`'s piece, differentiable when grad mode is on (the gradient comes back in `grad_spec`)."""
+def to_local(x: DTensorBase, grad_spec: Optional[DTensorSpec] = None, handed_over: bool = False) -> torch.Tensor:
+    """`x`'s piece, differentiable when grad mode is on (the gradient comes back in `grad_spec`).
+    `handed_over`: `x` is a temporary no one else reads (a parallel style's output given to the
+    model as a plain tensor), so the piece may be changed in place as a module's own output can
+    be (Llama 4 adds its routed experts into its shared expert's output with `add_`)."""
     if not torch.is_grad_enabled():
         return x._local_tensor
-    return ToLocal.apply(x, grad_spec or x._spec)  # type: ignore[no-untyped-call,no-any-return]
+    return ToLocal.apply(x, grad_spec or x._spec, handed_over)  # type: ignore[no-untyped-call,no-any-return]
 
 
 __all__ += ["to_local"]

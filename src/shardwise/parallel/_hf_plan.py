@@ -55,7 +55,7 @@ from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Partial, Placement, Replicate, Shard, _StridedShard
 from .._tensor import DTensor
 from ._experts import ExpertParallel, _summed_back
-from ._moe_split import _three_inputs
+from ._moe_split import _takes_three_inputs, _three_inputs
 from ._local_params import local_parameters
 from ._plan import PlanEntry, Sharder, ShardingPlan, ShardingPlanner, match
 from ._prepare import PrepareModuleOutput
@@ -189,6 +189,13 @@ def _experts_hint(model: nn.Module, plan: str) -> str:
     return f"; its experts dispatch with HFPlanner({{{keys[0]!r}: 'ep_dispatch_experts'}}, plan='ep')"
 
 
+def _summed(out: torch.Tensor, mesh: DeviceMesh, given: Any) -> Any:
+    """Every rank's term `out` summed over `mesh`: a replicated DTensor if the tokens were `given`
+    as one, else its local tensor."""
+    whole = DTensor.from_local(out, mesh, (Partial(),), run_check=False).redistribute(placements=(Replicate(),))
+    return whole if isinstance(given, DTensor) else whole.to_local()
+
+
 @dataclass(frozen=True, kw_only=True)
 class _ExpertSlices(ParallelStyle):
     """transformers' "moe_tp_experts": an experts module whose parameters the plan splits inside
@@ -199,10 +206,15 @@ class _ExpertSlices(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         names = [n for n, p in module._parameters.items() if isinstance(p, DTensor)]
         forward = module.forward
+        routed = _takes_three_inputs(module)
 
         def sliced_forward(*args: Any, **kwargs: Any) -> Any:
+            if not routed:  # Llama 4's: every token once per expert, already weighted by the router
+                given = args[0] if args else kwargs.pop("hidden_states")
+                with local_parameters(module, names):
+                    out = forward(_summed_back(given, device_mesh), *args[1:], **kwargs)
+                return _summed(out, device_mesh, given)
             hidden_states, top_k_index, top_k_weights = _three_inputs(type(module).__name__, args, kwargs)
-            plain = not isinstance(hidden_states, DTensor)
             tokens = _summed_back(hidden_states, device_mesh)
             if isinstance(top_k_weights, torch.Tensor) and isinstance(hidden_states, torch.Tensor):
                 # each rank's term of the routing weights' gradient is a partial dot product: kept in the
@@ -212,10 +224,7 @@ class _ExpertSlices(ParallelStyle):
             weights = _summed_back(top_k_weights, device_mesh)
             index = top_k_index.full_tensor() if isinstance(top_k_index, DTensor) else top_k_index
             with local_parameters(module, names):
-                out = forward(tokens, index, weights, **kwargs)
-            whole = DTensor.from_local(out, device_mesh, (Partial(),), run_check=False).redistribute(
-                placements=(Replicate(),))
-            return whole.to_local() if plain else whole
+                return _summed(forward(tokens, index, weights, **kwargs), device_mesh, hidden_states)
 
         module.forward = sliced_forward
         return module

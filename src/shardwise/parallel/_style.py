@@ -43,7 +43,7 @@ from torch import nn
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Placement, Replicate, Shard, _StridedShard
-from .._tensor import DTensor, redistribute_node
+from .._tensor import DTensor, redistribute_node, to_local
 from ._distribute import distribute_module, place_parameter
 from ._fused import fused_parts
 from ._plan import Sharder
@@ -119,7 +119,9 @@ def _moved(x: DTensor, layout: Optional[Placement]) -> DTensor:
 
 
 def _finish(x: DTensor, use_local: bool) -> Union[DTensor, torch.Tensor]:
-    return x.to_local() if use_local else x
+    if type(x._local_tensor) is not torch.Tensor:  # (a piece still arriving: its own to_local waits for it)
+        return x.to_local() if use_local else x
+    return to_local(x, handed_over=True) if use_local else x
 
 
 @dataclass(frozen=True)
