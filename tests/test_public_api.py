@@ -108,6 +108,14 @@ def test_experimental_surface_is_pinned() -> None:
     assert shardwise.experimental.ContextParallel is shardwise.parallel.ContextParallel
 
 
+def test_ft_surface_is_pinned() -> None:
+    import shardwise.ft
+
+    # torchft's names where they fit (Manager, DistributedDataParallel, Optimizer); the lighthouse is ours
+    assert list(shardwise.ft.__all__) == ["DistributedDataParallel", "Lighthouse", "Manager", "Optimizer", "Quorum",
+                                          "QuorumRule"]
+
+
 DEBUG = [
     "CommCounter", "CommRecord", "DryCollective", "DryRunReport", "GradientReducer", "ImplicitRedistributionError",
     "MemoryReport", "MoeLayer", "MoeReport", "RankReport", "cache_info", "comm_log", "dry_mesh", "dry_run",

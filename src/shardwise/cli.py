@@ -2,6 +2,7 @@
 
     shardwise demo [--mesh 2x2] [--steps N] [--nproc N] [--device cpu|cuda] [--no-compare]
     shardwise run -n N [torchrun options] script.py [script args]
+    shardwise run --ft --groups G -n N [options] script.py [script args]   (replica groups: shardwise.ft)
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after `run` belongs to the launcher and the script
         from ._launch import launch
+        from ._launch_ft import launch_groups
 
         try:
-            return launch(argv[1:])
+            return launch_groups(argv[2:]) if argv[1:2] == ["--ft"] else launch(argv[1:])
         except ValueError as exc:
             print(f"shardwise run: {exc}", file=sys.stderr)
             return 2

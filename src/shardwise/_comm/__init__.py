@@ -37,6 +37,7 @@ from ._dry import SIMULATION, Simulation, dry_run_number
 from ._fault import CollectiveError, checking
 from ._metadata import all_gather_ints, broadcast, broadcast_object, gather_over_mesh
 from ._p2p import P2PError, P2PRecord, P2PWork, irecv, isend, received, recv, send
+from ._replicas import ReplicaError, replica_all_reduce, replica_recv, replica_send
 from ._traced import COLLECTIVE, as_node, forget
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "P2PError",
     "P2PRecord",
     "P2PWork",
+    "ReplicaError",
     "ReduceScatter",
     "Simulation",
     "Started",
@@ -79,6 +81,9 @@ __all__ = [
     "notify",
     "plan_buckets",
     "recv",
+    "replica_all_reduce",
+    "replica_recv",
+    "replica_send",
     "run",
     "run_async",
     "send",

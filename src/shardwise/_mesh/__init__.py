@@ -15,7 +15,8 @@ Starting the default group and leaving at exit are the process's, not the mesh's
 """
 
 from ._abstract import DRY_TWIN, AbstractMesh, MeshDim, check_names
-from ._groups import GROUPS, POINT_TO_POINT, crossing_group, destroy_groups, group_for, new_groups, side_group
+from ._groups import (GROUPS, POINT_TO_POINT, crossing_group, destroy_groups, group_for, new_groups, replica_group,
+                      side_group)
 from ._device import DeviceMesh, _find_mesh, collective_timeout, current_mesh, get_current_mesh, init_device_mesh
 from ._dry import (CACHE_SIZES, PER_RANK_CACHES, DryGroup, DryMesh, _caches_for, as_device_mesh, dry_mesh,
                    simulated_rank, simulating)
@@ -23,4 +24,4 @@ from ._dry import (CACHE_SIZES, PER_RANK_CACHES, DryGroup, DryMesh, _caches_for,
 __all__ = ["CACHE_SIZES", "DRY_TWIN", "GROUPS", "PER_RANK_CACHES", "POINT_TO_POINT", "AbstractMesh", "DeviceMesh",
            "DryGroup", "DryMesh", "MeshDim", "_caches_for", "_find_mesh", "as_device_mesh", "check_names", "dry_mesh",
            "collective_timeout", "crossing_group", "current_mesh", "destroy_groups", "get_current_mesh", "group_for",
-           "init_device_mesh", "new_groups", "side_group", "simulated_rank", "simulating"]
+           "init_device_mesh", "new_groups", "replica_group", "side_group", "simulated_rank", "simulating"]

@@ -8,13 +8,15 @@ every rank issues alike (and `shardwise.testing` leaves it out of its in-step ch
 job that runs beside the program (an `async_save` agreeing from a thread) gets a
 world-spanning group of its own (`side_group`), so its collectives never interleave with
 the program's on a shared group. Groups a caller owns (`new_groups`) go back through
-`destroy_groups`.
+`destroy_groups`. Fault tolerance joins replica groups, each its own launch with its own
+world, by a group outside every world (`replica_group`), made on the quorum's store.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -23,7 +25,7 @@ from .._compat import new_group_in_order
 from .._process import collective_timeout
 
 __all__ = ["GROUPS", "POINT_TO_POINT", "collective_timeout", "crossing_group", "destroy_groups", "group_for",
-           "new_groups", "side_group"]
+           "new_groups", "replica_group", "side_group"]
 
 GROUPS: dict[tuple[int, Any], Any] = {}  # (id of the world's group, ranks or a role) -> group
 POINT_TO_POINT: set[str] = set()  # names of the groups that carry point-to-point messages only
@@ -94,3 +96,10 @@ def side_group(role: str, backend: Optional[str] = None) -> Any:
         group = GROUPS[key] = dist.new_group(list(range(dist.get_world_size())), timeout=collective_timeout(),
                                              backend=backend)
     return group
+
+
+def replica_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """A gloo group of `size` processes, one per replica group, joined through `store` (a prefix
+    of the quorum's store that no other group uses); this process is `rank`. It belongs to no
+    world: the caller owns it and drops it when the quorum's members change."""
+    return dist.ProcessGroupGloo(store, rank, size, timeout)

@@ -1,0 +1,77 @@
+"""Collectives between replica groups: the fault-tolerant reduction and the healing transfer.
+
+Replica groups are separate launches, each with its own world, so the group that joins
+them (made per quorum by `_mesh.replica_group`) is not a group of any world: no global
+ranks, no world store to diagnose a failure with. Its messages go through here instead of
+`_p2p` and `_bucket`, and are told to the door's hooks the same way (`comm_log` counts
+them). A failure, timeout or peer gone, raises `ReplicaError` within the group's
+fault-tolerance timeout, naming the operation and the replica ranks: the caller (the
+manager) records it, and that step is not committed anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ._door import CommRecord, notify
+
+__all__ = ["ReplicaError", "replica_all_reduce", "replica_recv", "replica_send"]
+
+
+class ReplicaError(RuntimeError):
+    """A message between replica groups did not complete (`what`: the operation)."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(f"{what}: {cause}")
+        self.what = what
+
+
+def _waited(work: dist.Work, timeout: timedelta, what: str) -> None:
+    try:
+        work.wait(timeout)
+    except RuntimeError as exc:
+        raise ReplicaError(what, exc) from exc
+
+
+def replica_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, size: int, timeout: timedelta,
+                       label: str) -> None:
+    """Sum `flat` (contiguous) in place over the `size` replica ranks of `group`."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+    what = f"all_reduce of {label} ({flat.numel()} x {flat.dtype}) over {size} replica groups"
+    try:
+        work = group.allreduce([flat], opts)
+    except RuntimeError as exc:
+        raise ReplicaError(what, exc) from exc
+    _waited(work, timeout, what)
+    notify(CommRecord("all_reduce", size, 2 * (size - 1) * flat.numel() * flat.element_size() // max(size, 1)))
+
+
+def replica_send(tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup, timeout: timedelta,
+                 label: str, tag: int = 0) -> None:
+    """Send each of `tensors` (contiguous) to replica rank `dst`, in order, each waited for."""
+    for t in tensors:
+        what = f"send of {label} ({t.numel()} x {t.dtype}) to replica rank {dst}"
+        try:
+            work = group.send([t], dst, tag)
+        except RuntimeError as exc:
+            raise ReplicaError(what, exc) from exc
+        _waited(work, timeout, what)
+        notify(CommRecord("send", 2, 0))
+
+
+def replica_recv(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup, timeout: timedelta,
+                 label: str, tag: int = 0) -> None:
+    """Receive into each of `tensors` (contiguous) from replica rank `src`, in order."""
+    for t in tensors:
+        what = f"receive of {label} ({t.numel()} x {t.dtype}) from replica rank {src}"
+        try:
+            work = group.recv([t], src, tag)
+        except RuntimeError as exc:
+            raise ReplicaError(what, exc) from exc
+        _waited(work, timeout, what)
+        notify(CommRecord("recv", 2, t.numel() * t.element_size()))

@@ -1,0 +1,159 @@
+"""A replica group's side of the quorum service: asks, answers, heartbeats and votes, over the store.
+
+Every rank of a group holds a `QuorumClient`; the group's leader (its rank 0) registers,
+beats and asks, and every rank reads the answer and votes. When the service is gone (its
+host died or restarts), every store call here reconnects and retries until
+`connect_timeout`: the leader registers and asks again, and the group carries on with the
+restarted service. The service's keys are listed in `_lighthouse`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Optional, TypeVar
+
+import torch.distributed as dist
+
+from ._quorum import Ask, Quorum
+
+__all__ = ["QuorumClient", "parse_address"]
+
+T = TypeVar("T")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """`host:port` of the quorum service; ValueError naming the value otherwise."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"lighthouse address {address!r}: host:port expected (SHARDWISE_FT_LIGHTHOUSE or "
+                         "Manager(lighthouse_addr=...), as `shardwise run --ft` prints it)")
+    return host, int(port)
+
+
+class QuorumClient:
+    """Rank `group_rank` of the `group_size` ranks of replica group `replica_id`, talking to the
+    service at `address`. Construction connects (ValueError if the service cannot be reached
+    within `connect_timeout`)."""
+
+    def __init__(self, address: str, replica_id: str, group_rank: int, group_size: int,
+                 connect_timeout: timedelta, heartbeat_interval: timedelta) -> None:
+        self.host, self.port = parse_address(address)
+        self.address, self.replica_id = address, replica_id
+        self.group_rank, self.group_size = group_rank, group_size
+        self.connect_timeout = connect_timeout.total_seconds()
+        self.leader = group_rank == 0
+        self._last_ask: Optional[Ask] = None
+        self.store = self._connect(first=True)
+        if self.leader:
+            self._register()
+        self._stop = threading.Event()
+        self._beat: Optional[threading.Thread] = None
+        if self.leader:
+            self._beat = threading.Thread(target=self._beating, args=(heartbeat_interval.total_seconds(),),
+                                          name=f"shardwise-ft-heartbeat-{replica_id}", daemon=True)
+            self._beat.start()
+
+    # -- connection -------------------------------------------------------------------------
+    def _connect(self, first: bool = False) -> Any:
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                return dist.TCPStore(self.host, self.port, is_master=False,  # type: ignore[attr-defined]
+                                     wait_for_workers=False, timeout=timedelta(seconds=10))
+            except (RuntimeError, OSError) as exc:
+                if time.monotonic() > deadline:
+                    what = "reach" if first else "reach again"
+                    raise ValueError(f"replica group {self.replica_id}: could not {what} the lighthouse at "
+                                     f"{self.address} within {self.connect_timeout:g} s ({exc}); start it first "
+                                     "(`shardwise run --ft` does) or fix SHARDWISE_FT_LIGHTHOUSE") from None
+                time.sleep(0.2)
+
+    def _register(self) -> None:
+        n = self.store.add("ids", 1) - 1
+        self.store.set(f"id/{n}", self.replica_id)
+
+    def _retrying(self, call: Callable[[Any], T]) -> T:
+        """`call(store)`, reconnecting (and, as leader, registering and asking again) while the
+        service is away."""
+        while True:
+            try:
+                return call(self.store)
+            except (RuntimeError, OSError) as exc:
+                if not _connection_lost(exc):
+                    raise
+                self.store = self._connect()
+                if self.leader:
+                    self._register()
+                    if self._last_ask is not None:
+                        self.store.set(f"ask/{self.replica_id}", self._last_ask.dumps())
+
+    def _beating(self, interval: float) -> None:
+        store = self._connect()
+        while not self._stop.wait(interval):
+            try:
+                store.add(f"hb/{self.replica_id}", 1)
+            except (RuntimeError, OSError):
+                try:
+                    store = self._connect()
+                except ValueError:
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5)
+
+    # -- quorum and votes ------------------------------------------------------------------
+    def quorum(self, token: str, step: int, timeout: timedelta) -> Quorum:
+        """Ask (as leader) for the quorum of the next step and wait for it; every rank of the
+        group passes the same `token`. ValueError if the service refuses the group; TimeoutError
+        if no quorum forms within `timeout`."""
+        key = f"answer/{self.replica_id}/{token}"
+        if self.leader:
+            ask = self._last_ask = Ask(self.replica_id, token, step, self.group_size)
+            self._retrying(lambda s: s.set(f"ask/{self.replica_id}", ask.dumps()))
+        if not self._arrived([key], time.monotonic() + timeout.total_seconds()):
+            raise TimeoutError(f"replica group {self.replica_id}: no quorum within {timeout.total_seconds():g} s "
+                               f"(lighthouse {self.address}); fewer groups than min_replicas are alive?")
+        answer = self._retrying(lambda s: s.get(key)).decode()
+        if answer.startswith("{"):
+            raise ValueError(json.loads(answer).get("error", answer))
+        return Quorum.loads(self._retrying(lambda s: s.get(f"quorum/{answer}")).decode())
+
+    def vote(self, quorum: Quorum, ok: bool, timeout: timedelta) -> bool:
+        """Post this rank's vote on the quorum's step and return the decision: True when every rank
+        of every member voted yes within `timeout`. The first rank to know (all votes read, or
+        its wait over) writes the decision with one compare-and-set, and every rank returns
+        that one decision, so no two ranks ever disagree on whether the step counts."""
+        mine = f"vote/{quorum.quorum_id}/{self.replica_id}/{self.group_rank}"
+        self._retrying(lambda s: s.set(mine, "1" if ok else "0"))
+        keys = [f"vote/{quorum.quorum_id}/{m}/{r}" for m in quorum.members for r in range(quorum.group_size)]
+        outcome = "0"
+        if self._arrived(keys, time.monotonic() + timeout.total_seconds()):
+            outcome = "1" if all(v == b"1" for v in self._retrying(lambda s: s.multi_get(keys))) else "0"
+        decision = f"decision/{quorum.quorum_id}"
+        return bool(self._retrying(lambda s: s.compare_set(decision, "", outcome)) == b"1")
+
+    def _arrived(self, keys: list[str], deadline: float) -> bool:
+        """Whether every key is set by `deadline`: polled, from 1 ms apart up to 20 ms (a store's
+        own wait leaves its client connection mid-reply when it times out)."""
+        pause = 0.001
+        while not self._retrying(lambda s: s.check(keys)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        return True
+
+    def prefix(self, name: str) -> Any:
+        """A store for one use (a process group's rendezvous) under `name`."""
+        return dist.PrefixStore(name, self.store)  # type: ignore[attr-defined]
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(s in text for s in ("connection", "broken pipe", "reset", "refused", "socket", "closed", "eof"))

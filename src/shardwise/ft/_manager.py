@@ -1,0 +1,274 @@
+"""`Manager`: one replica group's part in per-step fault tolerance (torchft's `Manager`, on shardwise).
+
+A step under a manager:
+
+| call | what happens |
+|---|---|
+| `start_quorum()` | the group asks the lighthouse; the quorum names the members, the step, who heals |
+| (rebuild) | the group across members is made anew when the members changed or the last step failed |
+| (heal) | a member behind the quorum's step receives the state of an up-to-date one, point to point |
+| forward, backward | gradients reduced across the members (`DistributedDataParallel`, or `allreduce`) |
+| `should_commit()` | every rank of every member votes; the step commits everywhere or nowhere |
+
+Any failure between the quorum and the vote (a member dead or hung, a message that timed
+out) is recorded, not raised: this rank votes no, no member applies the step, and the next
+quorum goes on without whoever is gone. Failures inside a group (its own collectives) are
+the group's: its processes fail and `shardwise run --ft` restarts that group alone, which
+then heals from a live member. The healing transfer is the state of `state_dict()` plus
+the manager's step and the RNG state, as tensors and a JSON header (`_wire`): nothing
+received runs code.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _comm
+from .._mesh import replica_group
+from ._client import QuorumClient
+from ._lighthouse import valid_id
+from ._quorum import Quorum
+from ._wire import MAX_HEADER_BYTES, pack, unpack
+
+__all__ = ["Manager"]
+
+CHUNK_BYTES = 16 << 20  # the healing transfer's largest message
+
+
+class Manager:
+    """Fault tolerance for the replica group this process belongs to.
+
+    `state_dict()` / `load_state_dict(state)`: the group's state that a healing group
+    receives (model, optimizer, data position...). `lighthouse_addr` (default:
+    `SHARDWISE_FT_LIGHTHOUSE`), `replica_id` (default: `SHARDWISE_FT_REPLICA_ID`); `rank` /
+    `world_size` within the group (default: the group's own world, else 0 / 1). `timeout`
+    bounds every message between groups and the vote: a dead or hung member fails the step
+    within it. A quorum of fewer than `min_replica_size` groups does not commit.
+    """
+
+    def __init__(self, pg: Any = None, load_state_dict: Optional[Callable[[Any], None]] = None,
+                 state_dict: Optional[Callable[[], Any]] = None, min_replica_size: int = 1, *,
+                 timeout: timedelta = timedelta(seconds=10), quorum_timeout: timedelta = timedelta(seconds=60),
+                 connect_timeout: timedelta = timedelta(seconds=60),
+                 heartbeat_interval: timedelta = timedelta(milliseconds=100), rank: Optional[int] = None,
+                 world_size: Optional[int] = None, lighthouse_addr: Optional[str] = None,
+                 replica_id: Optional[str] = None) -> None:
+        if pg is not None:
+            raise ValueError("Manager(pg=...): shardwise makes the group across replica groups itself, anew for "
+                             "each membership; pass pg=None")
+        if (load_state_dict is None) != (state_dict is None):
+            raise ValueError("Manager: give both load_state_dict and state_dict (what a healing group receives), "
+                             "or neither")
+        if min_replica_size < 1:
+            raise ValueError(f"Manager(min_replica_size={min_replica_size}): at least 1")
+        address = lighthouse_addr or os.environ.get("SHARDWISE_FT_LIGHTHOUSE")
+        rid = replica_id or os.environ.get("SHARDWISE_FT_REPLICA_ID")
+        if not address or not rid:
+            raise ValueError("Manager: no lighthouse address or replica id; pass lighthouse_addr= and replica_id= or "
+                             "set SHARDWISE_FT_LIGHTHOUSE and SHARDWISE_FT_REPLICA_ID (`shardwise run --ft` does)")
+        if not valid_id(rid):
+            raise ValueError(f"Manager(replica_id={rid!r}): up to 128 letters, digits and _.:-")
+        in_world = dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if in_world else int(os.environ.get("RANK", 0)))
+        self.world_size = world_size if world_size is not None else (
+            dist.get_world_size() if in_world else int(os.environ.get("WORLD_SIZE", 1)))
+        self.replica_id, self.timeout, self.quorum_timeout = rid, timeout, quorum_timeout
+        self.min_replica_size = min_replica_size
+        self._user_state, self._user_load = state_dict, load_state_dict
+        self._nonce = self._group_nonce(in_world)
+        self._client = QuorumClient(address, rid, self.rank, self.world_size, connect_timeout, heartbeat_interval)
+        self._asked = 0
+        self._step = 0
+        self._batches = 0
+        self._quorum: Optional[Quorum] = None
+        self._group: Any = None
+        self._rebuild = True
+        self._error: Optional[BaseException] = None
+        self.healed = 0  # times this group received a live member's state
+        self.samples = 1.0  # this group's weight in the next reduction (samples it contributed)
+
+    def _group_nonce(self, in_world: bool) -> int:
+        """A random number every rank of the group shares (rank 0's): its asks are named by it,
+        so a restarted group never reuses an answered name."""
+        mine = secrets.randbits(62)
+        if not in_world or self.world_size == 1:
+            return mine
+        return _comm.all_gather_ints([mine], dist.group.WORLD, self.world_size)[0][0]
+
+    # -- the step ---------------------------------------------------------------------------
+    def start_quorum(self) -> None:
+        """Join the next step's quorum; heal first if this group is behind it."""
+        self._error = None
+        self._asked += 1
+        try:
+            quorum = self._client.quorum(f"{self._nonce:x}.{self._asked}", self._step, self.quorum_timeout)
+        except TimeoutError as exc:
+            self._quorum = None
+            self.report_error(exc)
+            return
+        if quorum.members != (self._quorum.members if self._quorum else ()) or self._rebuild:
+            self._group = None
+            try:
+                self._group = replica_group(self._client.prefix(f"pg/{quorum.quorum_id}/{self.rank}"),
+                                            quorum.rank_of(self.replica_id), len(quorum.members), self.timeout)
+            except RuntimeError as exc:
+                self.report_error(_comm.ReplicaError(f"making the group of quorum {quorum.quorum_id}", exc))
+        self._quorum, self._rebuild = quorum, False
+        if self._group is None:
+            return
+        try:
+            self._heal(quorum)
+        except _comm.ReplicaError as exc:
+            self.report_error(exc)
+
+    def _heal(self, quorum: Quorum) -> None:
+        source = quorum.heal_from.get(self.replica_id)
+        if source is not None:
+            self._receive(quorum.rank_of(source))
+            self._step = quorum.step
+            self.healed += 1
+        for healer, giver in sorted(quorum.heal_from.items()):
+            if giver == self.replica_id:
+                self._send(quorum.rank_of(healer))
+
+    def should_commit(self) -> bool:
+        """Vote on this step and return the outcome, the same on every rank of every member: True
+        when every one of them succeeded (then the step counts), else False (nobody applies it)."""
+        quorum = self._quorum
+        if quorum is None:
+            self._rebuild = True
+            return False
+        ok = self._error is None and len(quorum.members) >= self.min_replica_size
+        committed = self._client.vote(quorum, ok, self.timeout)
+        if committed:
+            self._step += 1
+            self._batches += len(quorum.members)
+        else:
+            self._rebuild = True
+            why = (repr(self._error) if self._error is not None else f"{len(quorum.members)} groups, fewer than "
+                   f"min_replica_size={self.min_replica_size}" if not ok else "another member failed or timed out")
+            self._say(f"step {self._step} of quorum {quorum.quorum_id} discarded: {why}")
+        return committed
+
+    def _say(self, line: str) -> None:
+        print(f"[shardwise.ft {self.replica_id} rank {self.rank}] {line}", file=sys.stderr, flush=True)
+
+    # -- reductions -------------------------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Average `tensor` in place over the quorum's members (torchft's `allreduce`); a failure
+        is recorded (the step will not commit) and `tensor` is left as it was."""
+        if self._group is None or self._error is not None or self._quorum is None:
+            return tensor
+        flat = tensor.detach().contiguous()
+        try:
+            _comm.replica_all_reduce(flat, self._group, len(self._quorum.members), self.timeout, "a tensor")
+        except _comm.ReplicaError as exc:
+            self.report_error(exc)
+            return tensor
+        with torch.no_grad():
+            tensor.copy_(flat / len(self._quorum.members))
+        return tensor
+
+    def reduce_gradients(self, grads: list[torch.Tensor]) -> None:
+        """Replace each of `grads` (local tensors) by the members' mean weighted by the samples each
+        contributed (`samples`): one all_reduce per dtype, plus the weights."""
+        if self._group is None or self._error is not None or self._quorum is None or not grads:
+            return
+        size = len(self._quorum.members)
+        try:
+            total = torch.tensor([float(self.samples)], dtype=torch.float64)
+            _comm.replica_all_reduce(total, self._group, size, self.timeout, "the samples of each group")
+            for dtype in sorted({g.dtype for g in grads}, key=str):
+                same = [g for g in grads if g.dtype == dtype]
+                flat = torch.cat([g.reshape(-1) for g in same]) * self.samples
+                _comm.replica_all_reduce(flat, self._group, size, self.timeout, f"{dtype} gradients")
+                flat /= total.item()
+                offset = 0
+                for g in same:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+        except _comm.ReplicaError as exc:
+            self.report_error(exc)
+
+    # -- state ------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        user = self._user_state() if self._user_state is not None else {}
+        return {"user": user, "step": self._step, "batches": self._batches, "rng": torch.get_rng_state()}
+
+    def _send(self, dst: int) -> None:
+        header, tensors = pack(self._state())
+        sizes = torch.tensor([len(header), len(tensors)], dtype=torch.int64)
+        pieces = [sizes, torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+        pieces += [c for t in tensors for c in _chunks(t)]
+        _comm.replica_send(pieces, dst, self._group, self.timeout, "the state of a live group")
+
+    def _receive(self, src: int) -> None:
+        sizes = torch.empty(2, dtype=torch.int64)
+        _comm.replica_recv([sizes], src, self._group, self.timeout, "the size of a live group's state")
+        n, count = int(sizes[0]), int(sizes[1])
+        if not 0 < n <= MAX_HEADER_BYTES:
+            raise _comm.ReplicaError("receiving a live group's state", ValueError(f"a header of {n} bytes: refused"))
+        header = torch.empty(n, dtype=torch.uint8)
+        _comm.replica_recv([header], src, self._group, self.timeout, "the header of a live group's state")
+        try:
+            state, buffers = unpack(header.numpy().tobytes(), self._state())
+        except ValueError as exc:
+            raise _comm.ReplicaError("receiving a live group's state", exc) from exc
+        if len(buffers) != count:
+            raise _comm.ReplicaError("receiving a live group's state",
+                                     ValueError(f"the header lists {len(buffers)} tensors, the sender {count}"))
+        _comm.replica_recv([c for t in buffers for c in _chunks(t)], src, self._group, self.timeout,
+                           "a live group's tensors")
+        if self._user_load is not None:
+            self._user_load(state["user"])
+        self._step, self._batches = int(state["step"]), int(state["batches"])
+        torch.set_rng_state(state["rng"])
+
+    # -- torchft's questions ----------------------------------------------------------------
+    def report_error(self, error: BaseException) -> None:
+        """Record a failure of this step: this rank will vote no."""
+        if self._error is None:
+            self._error = error
+
+    def errored(self) -> Optional[BaseException]:
+        return self._error
+
+    def current_step(self) -> int:
+        """Committed steps so far (the same on every member after each quorum)."""
+        return self._step
+
+    def batches_committed(self) -> int:
+        """Batches in committed steps, one per member per step."""
+        return self._batches
+
+    def num_participants(self) -> int:
+        return len(self._quorum.members) if self._quorum is not None else 0
+
+    def participating_rank(self) -> Optional[int]:
+        """This group's place among the quorum's members (None outside a quorum)."""
+        return self._quorum.rank_of(self.replica_id) if self._quorum is not None else None
+
+    def is_participating(self) -> bool:
+        return self._quorum is not None
+
+    def quorum(self) -> Optional[Quorum]:
+        return self._quorum
+
+    def shutdown(self) -> None:
+        self._client.close()
+        self._group = None
+
+
+def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    """`t` (contiguous) as flat views of at most CHUNK_BYTES each."""
+    flat = t.reshape(-1)
+    step = max(1, CHUNK_BYTES // max(1, t.element_size()))
+    return [flat[i:i + step] for i in range(0, flat.numel(), step)]

@@ -1,0 +1,114 @@
+"""The quorum rule and the healing wire format, without processes: each row of their docstrings' tables."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from shardwise.ft import QuorumRule
+from shardwise.ft._quorum import Ask, Quorum, decide
+from shardwise.ft._wire import pack, unpack
+
+RULE = QuorumRule(min_replicas=1, join_timeout=1.0)
+
+
+def _asking(**steps: int) -> dict[str, tuple[Ask, float]]:
+    return {rid: (Ask(rid, f"t{rid}", step, 2), 10.0) for rid, step in steps.items()}
+
+
+def test_everyone_alive_asking_forms_at_once_and_nobody_heals() -> None:
+    q = decide(RULE, _asking(a=7, b=7, c=7), ("a", "b", "c"), ("a", "b", "c"), now=10.0, quorum_id="x-1")
+    assert q == Quorum("x-1", ("a", "b", "c"), 7, 2, {})
+
+
+def test_a_member_with_a_stale_heartbeat_is_not_waited_for() -> None:
+    q = decide(RULE, _asking(a=7, b=7), ("a", "b", "c"), ("a", "b"), now=10.0, quorum_id="x-2")
+    assert q is not None and q.members == ("a", "b")
+
+
+def test_a_fresh_member_that_does_not_ask_is_waited_for_until_join_timeout() -> None:
+    assert decide(RULE, _asking(a=7, b=7), ("a", "b", "c"), ("a", "b", "c"), now=10.5, quorum_id="x-3") is None
+    q = decide(RULE, _asking(a=7, b=7), ("a", "b", "c"), ("a", "b", "c"), now=11.0, quorum_id="x-3")
+    assert q is not None and q.members == ("a", "b")
+
+
+def test_a_restarted_group_behind_heals_from_an_up_to_date_member_in_turn() -> None:
+    q = decide(RULE, _asking(a=7, b=7, c=0, d=3), ("a", "b"), ("a", "b", "c", "d"), now=10.0, quorum_id="x-4")
+    assert q is not None and q.step == 7 and q.heal_from == {"c": "a", "d": "b"}
+
+
+def test_a_restarted_group_never_forms_a_quorum_beside_live_members_mid_step() -> None:
+    # regression: the restarted group's ask started the join clock while the live members were
+    # mid-step, and after join_timeout it formed a quorum of its own at step 0 (split brain)
+    assert decide(RULE, _asking(c=0), ("a", "b"), ("a", "b", "c"), now=99.0, quorum_id="x-6") is None
+    q = decide(RULE, _asking(c=0), ("a", "b"), ("c",), now=99.0, quorum_id="x-6")  # a and b gone: c goes on
+    assert q is not None and q.members == ("c",)
+
+
+def test_the_first_quorum_waits_join_timeout_for_groups_started_together_and_min_replicas() -> None:
+    assert decide(RULE, _asking(a=0), (), ("a",), now=10.5, quorum_id="x-5") is None
+    assert decide(RULE, _asking(a=0), (), ("a",), now=11.0, quorum_id="x-5") is not None
+    two = QuorumRule(min_replicas=2, join_timeout=0.0)
+    assert decide(two, _asking(a=0), (), ("a",), now=99.0, quorum_id="x-5") is None
+    with pytest.raises(ValueError, match="min_replicas=0"):
+        QuorumRule(min_replicas=0)
+
+
+@pytest.mark.parametrize("text", ["not json", "[1]", json.dumps({"replica_id": "a", "token": "t", "step": -1,
+                                                                   "group_size": 1}),
+                                  json.dumps({"replica_id": "a", "token": "t", "step": "7", "group_size": 1})])
+def test_a_malformed_ask_is_refused_by_name(text: str) -> None:
+    with pytest.raises(ValueError):
+        Ask.loads(text)
+
+
+def _state() -> dict[str, object]:
+    return {"model": {"w": torch.arange(6, dtype=torch.float64).view(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)},
+            "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2, 3)}},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0], "foreach": None}]},
+            "step": 7, "rng": torch.get_rng_state(), "name": "run-1", "nan": float("inf")}
+
+
+def test_a_state_round_trips_through_the_header_and_its_tensors() -> None:
+    state = _state()
+    header, tensors = pack(state)
+    rebuilt, buffers = unpack(header, None)
+    assert len(buffers) == len(tensors) == 5
+    for buf, t in zip(buffers, tensors):
+        assert buf.dtype == t.dtype and buf.shape == t.shape
+        buf.copy_(t)
+    assert rebuilt["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)  # a tuple stays a tuple
+    assert set(rebuilt["optim"]["state"]) == {0}  # integer keys stay integers
+    assert rebuilt["step"] == 7 and rebuilt["name"] == "run-1" and rebuilt["nan"] == float("inf")
+    assert torch.equal(rebuilt["model"]["w"], state["model"]["w"])  # type: ignore[index]
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (print, ("a pickle ran code",))
+
+
+@pytest.mark.parametrize("header", [
+    pickle.dumps({"w": _Boom()}),  # a code-running pickle
+    b"\xff\xfe garbage",
+    json.dumps({"t": 0, "dtype": "object", "shape": [2]}).encode(),  # a dtype outside the allow-list
+    json.dumps({"t": 0, "dtype": "float32", "shape": [-1]}).encode(),
+    json.dumps({"t": 5, "dtype": "float32", "shape": [2]}).encode(),  # a tensor index out of order
+    json.dumps({"d": [[1.5, {"v": 1}]]}).encode(),  # a float key
+    json.dumps({"x": []}).encode(),
+], ids=["pickle", "bytes", "dtype", "shape", "index", "key", "node"])
+def test_a_hostile_or_broken_header_is_refused_and_runs_nothing(header: bytes, capsys: pytest.CaptureFixture[str]
+                                                                ) -> None:
+    with pytest.raises(ValueError):
+        unpack(header, None)
+    assert "ran code" not in capsys.readouterr().out
+
+
+def test_a_state_that_cannot_travel_as_tensors_and_json_is_refused_by_path() -> None:
+    with pytest.raises(TypeError, match=r"state at state\['model'\]\['fn'\]: a builtin_function"):
+        pack({"model": {"fn": print}})
+    with pytest.raises(TypeError, match="key"):
+        pack({(1, 2): torch.ones(1)})

@@ -1,0 +1,186 @@
+"""Replica groups that keep training when one dies, and a restarted group healed by a live one.
+
+Each replica group is its own process here (a group of one: its own world), as separate
+launches are under `shardwise run --ft`; the lighthouse runs in the test's process. Every
+group trains the same float64 model on its own batches (a function of the step and the
+group), through `shardwise.ft.DistributedDataParallel` and `Optimizer`. A group kills
+itself (SIGKILL) after a backward, before its vote; the test restarts it, as the launcher
+would. At the end every group's parameters must equal, bit for bit, every other's, and a
+one-process replay of the committed steps (each step's members' gradients averaged, then
+AdamW) to rounding.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from shardwise.ft import Lighthouse, QuorumRule
+
+pytestmark = pytest.mark.multirank  # every test here launches processes
+
+STEPS = 10
+GROUPS = ("a", "b", "c")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+
+
+def _batch(step: int, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + ord(rid))
+    return torch.randn(6, 6, generator=g, dtype=torch.float64), torch.randn(6, 1, generator=g, dtype=torch.float64)
+
+
+def _wait_for(paths: list[Path], seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {seconds} s for {[str(p) for p in paths]}")
+        time.sleep(0.05)
+
+
+def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], wait_at: Optional[tuple[int, str]],
+           rank: int, size: int, port: int) -> None:
+    import shardwise as sw
+    import shardwise.ft as ft
+    from shardwise.fsdp import fully_shard
+
+    folder = Path(out)
+    model = _model()
+    if size > 1:  # the group's own world, as its own launch would start it: fully_shard inside
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=sw.init_device_mesh("cpu", (size,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+
+    def load(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+
+    manager = ft.Manager(load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
+                                                                    "optim": opt.state_dict()},
+                         lighthouse_addr=address, replica_id=rid, timeout=timedelta(seconds=3))
+    ddp = ft.DistributedDataParallel(manager, model)
+    optim = ft.Optimizer(manager, opt)
+    (folder / f"{rid}{rank}.ready{life}").touch()
+    if life == 0:  # groups started together join one quorum
+        _wait_for([folder / f"{g}{r}.ready0" for g in GROUPS[:3 if size == 1 else 2] for r in range(size)])
+    commits: list[tuple[int, list[str]]] = []
+    while manager.current_step() < STEPS:
+        optim.zero_grad()
+        step = manager.current_step()
+        if wait_at is not None and step >= wait_at[0]:
+            _wait_for([folder / wait_at[1]])  # (the survivors wait for the restarted group to be up)
+        x, y = _batch(step, rid)
+        rows = slice(rank * len(x) // size, (rank + 1) * len(x) // size)  # this rank's share of the group's batch
+        torch.nn.functional.mse_loss(ddp(x[rows]), y[rows]).backward()
+        if kill_at is not None and step >= kill_at and rank == size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # after its gradients were sent, before its vote
+        if optim.step():
+            quorum = manager.quorum()
+            assert quorum is not None
+            commits.append((step, list(quorum.members)))
+    params = {n: p.full_tensor() if isinstance(p, sw.DTensor) else p for n, p in model.state_dict().items()}
+    if rank == 0:
+        torch.save({"commits": commits, "params": params, "healed": manager.healed}, folder / f"{rid}.pt")
+    manager.shutdown()
+
+
+class _Launch:
+    """One replica group's processes, started as its own launch: a failed one ends the others
+    (torchrun does), and the group is started again alone."""
+
+    def __init__(self, address: str, folder: Path, size: int) -> None:
+        self.address, self.folder, self.size = address, folder, size
+        self.ctx = mp.get_context("spawn")
+
+    def start(self, rid: str, life: int, kill_at: Optional[int] = None,
+              wait_at: Optional[tuple[int, str]] = None) -> list[Any]:
+        port = _free_port()
+        procs = [self.ctx.Process(target=_group, args=(rid, self.address, str(self.folder), life, kill_at, wait_at, r,
+                                                        self.size, port)) for r in range(self.size)]
+        for p in procs:
+            p.start()
+        return procs
+
+    @staticmethod
+    def wait_failed(procs: list[Any], seconds: float = 240) -> int:
+        """Wait for a process of the group to fail, end the others, and return its exit code."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            codes = [p.exitcode for p in procs if p.exitcode is not None]
+            if codes:
+                for p in procs:
+                    if p.exitcode is None:
+                        p.kill()
+                    p.join(30)
+                return codes[0]
+            time.sleep(0.05)
+        raise TimeoutError("no process of the group ended")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _replay(commits: list[tuple[int, list[str]]]) -> dict[str, torch.Tensor]:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step, members in commits:
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for rid in members:
+            model.zero_grad()
+            x, y = _batch(step, rid)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            for g, p in zip(grads, model.parameters()):
+                g += p.grad / len(members)
+        for g, p in zip(grads, model.parameters()):
+            p.grad = g
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("size", [1, 2], ids=["groups-of-1", "groups-of-2-fully-sharded"])
+def test_a_killed_group_leaves_the_others_training_and_heals_from_a_live_one_on_restart(size: int,
+                                                                                        tmp_path: Path) -> None:
+    groups = GROUPS if size == 1 else GROUPS[:2]
+    log = io.StringIO()
+    with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=0.5), heartbeat_timeout=0.5, log=log) as lighthouse:
+        launch = _Launch(lighthouse.address, tmp_path, size)
+        survivors = [p for rid in groups if rid != "b" for p in launch.start(rid, 0, wait_at=(6, f"b{size - 1}.ready1"))]
+        victim = launch.start("b", 0, kill_at=3)
+        assert launch.wait_failed(victim) == -signal.SIGKILL
+        restarted = launch.start("b", 1)  # as `shardwise run --ft` restarts a failed group, alone
+        for p in (*survivors, *restarted):
+            p.join(240)
+            assert p.exitcode == 0, (p.exitcode, log.getvalue())
+    results = {rid: torch.load(tmp_path / f"{rid}.pt", weights_only=True) for rid in groups}
+    commits = results["a"]["commits"]
+    assert [s for s, _ in commits] == list(range(STEPS)), commits  # every step committed once, in order
+    for rid in groups:
+        assert results[rid]["commits"] == commits[STEPS - len(results[rid]["commits"]):]
+    assert any("b" not in members for _, members in commits), commits  # the others went on without b
+    assert commits[-1][1] == list(groups) and results["b"]["healed"] == 1
+    text = log.getvalue()
+    assert "left {'b': 'heartbeat stale'}" in text and "b heals from" in text, text
+    want = _replay(commits)
+    for rid in groups:
+        for name, p in results[rid]["params"].items():
+            assert torch.equal(p, results["a"]["params"][name]), (rid, name)  # groups agree bit for bit
+            assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
