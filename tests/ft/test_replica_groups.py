@@ -51,7 +51,7 @@ def _wait_for(paths: list[Path], seconds: float = 240) -> None:
 
 
 def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], wait_at: Optional[tuple[int, str]],
-           rank: int, size: int, port: int) -> None:
+           rank: int, size: int, port: int, everyone: tuple[str, ...]) -> None:
     import shardwise as sw
     import shardwise.ft as ft
     from shardwise.fsdp import fully_shard
@@ -76,7 +76,7 @@ def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], 
     optim = ft.Optimizer(manager, opt)
     (folder / f"{rid}{rank}.ready{life}").touch()
     if life == 0:  # groups started together join one quorum
-        _wait_for([folder / f"{g}{r}.ready0" for g in GROUPS[:3 if size == 1 else 2] for r in range(size)])
+        _wait_for([folder / f"{g}{r}.ready0" for g in everyone for r in range(size)])
     commits: list[tuple[int, list[str]]] = []
     while manager.current_step() < STEPS:
         optim.zero_grad()
@@ -92,6 +92,7 @@ def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], 
             quorum = manager.quorum()
             assert quorum is not None
             commits.append((step, list(quorum.members)))
+            (folder / f"{rid}{rank}.commit{step}").touch()
     params = {n: p.full_tensor() if isinstance(p, sw.DTensor) else p for n, p in model.state_dict().items()}
     if rank == 0:
         torch.save({"commits": commits, "params": params, "healed": manager.healed}, folder / f"{rid}.pt")
@@ -102,15 +103,15 @@ class _Launch:
     """One replica group's processes, started as its own launch: a failed one ends the others
     (torchrun does), and the group is started again alone."""
 
-    def __init__(self, address: str, folder: Path, size: int) -> None:
-        self.address, self.folder, self.size = address, folder, size
+    def __init__(self, address: str, folder: Path, size: int, everyone: tuple[str, ...]) -> None:
+        self.address, self.folder, self.size, self.everyone = address, folder, size, everyone
         self.ctx = mp.get_context("spawn")
 
     def start(self, rid: str, life: int, kill_at: Optional[int] = None,
               wait_at: Optional[tuple[int, str]] = None) -> list[Any]:
         port = _free_port()
         procs = [self.ctx.Process(target=_group, args=(rid, self.address, str(self.folder), life, kill_at, wait_at, r,
-                                                        self.size, port)) for r in range(self.size)]
+                                                        self.size, port, self.everyone)) for r in range(self.size)]
         for p in procs:
             p.start()
         return procs
@@ -162,7 +163,7 @@ def test_a_killed_group_leaves_the_others_training_and_heals_from_a_live_one_on_
     groups = GROUPS if size == 1 else GROUPS[:2]
     log = io.StringIO()
     with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=0.5), heartbeat_timeout=0.5, log=log) as lighthouse:
-        launch = _Launch(lighthouse.address, tmp_path, size)
+        launch = _Launch(lighthouse.address, tmp_path, size, groups)
         survivors = [p for rid in groups if rid != "b" for p in launch.start(rid, 0, wait_at=(6, f"b{size - 1}.ready1"))]
         victim = launch.start("b", 0, kill_at=3)
         assert launch.wait_failed(victim) == -signal.SIGKILL
@@ -183,4 +184,40 @@ def test_a_killed_group_leaves_the_others_training_and_heals_from_a_live_one_on_
     for rid in groups:
         for name, p in results[rid]["params"].items():
             assert torch.equal(p, results["a"]["params"][name]), (rid, name)  # groups agree bit for bit
+            assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
+
+
+def _serve(port: int, log: str) -> None:
+    with open(log, "a") as out:
+        Lighthouse(port=port, rule=QuorumRule(min_replicas=2, join_timeout=0.5), heartbeat_timeout=0.5,
+                   log=out).serve()
+
+
+def test_the_groups_wait_for_a_killed_lighthouse_to_come_back_and_carry_on(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    port, log = _free_port(), str(tmp_path / "lighthouse.log")
+    lighthouse = ctx.Process(target=_serve, args=(port, log))
+    lighthouse.start()
+    launch = _Launch(f"127.0.0.1:{port}", tmp_path, 1, ("a", "b"))
+    groups = [p for rid in ("a", "b") for p in launch.start(rid, 0)]
+    try:
+        _wait_for([tmp_path / "a0.commit3"])
+        lighthouse.kill()  # the quorum host dies mid-run ...
+        lighthouse.join(30)
+        time.sleep(1.0)
+        lighthouse = ctx.Process(target=_serve, args=(port, log))  # ... and is started again on its port
+        lighthouse.start()
+        for p in groups:
+            p.join(240)
+            assert p.exitcode == 0, (p.exitcode, Path(log).read_text())
+    finally:
+        lighthouse.kill()
+    results = {rid: torch.load(tmp_path / f"{rid}.pt", weights_only=True) for rid in ("a", "b")}
+    commits = results["a"]["commits"]
+    assert [s for s, _ in commits] == list(range(STEPS)) and results["b"]["commits"] == commits, commits
+    assert all(members == ["a", "b"] for _, members in commits)  # min_replicas=2: no step without both
+    assert Path(log).read_text().count("[shardwise.ft] lighthouse ") == 2  # two incarnations served the run
+    want = _replay(commits)
+    for rid in ("a", "b"):
+        for name, p in results[rid]["params"].items():
             assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
