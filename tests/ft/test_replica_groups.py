@@ -93,6 +93,8 @@ def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], 
             assert quorum is not None
             commits.append((step, list(quorum.members)))
             (folder / f"{rid}{rank}.commit{step}").touch()
+        else:
+            (folder / f"{rid}{rank}.failed{step}").touch()
     params = {n: p.full_tensor() if isinstance(p, sw.DTensor) else p for n, p in model.state_dict().items()}
     if rank == 0:
         torch.save({"commits": commits, "params": params, "healed": manager.healed}, folder / f"{rid}.pt")
@@ -217,6 +219,29 @@ def test_the_groups_wait_for_a_killed_lighthouse_to_come_back_and_carry_on(tmp_p
     assert [s for s, _ in commits] == list(range(STEPS)) and results["b"]["commits"] == commits, commits
     assert all(members == ["a", "b"] for _, members in commits)  # min_replicas=2: no step without both
     assert Path(log).read_text().count("[shardwise.ft] lighthouse ") == 2  # two incarnations served the run
+    want = _replay(commits)
+    for rid in ("a", "b"):
+        for name, p in results[rid]["params"].items():
+            assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
+
+
+def test_a_hung_group_is_left_out_after_the_timeout_and_heals_when_it_wakes(tmp_path: Path) -> None:
+    # b stops mid-step 4 (alive, heartbeat beating, never sending its gradients) until a has
+    # committed steps 4 to 6 alone: only the fault-tolerance timeout can have let a go on (a then
+    # waits at step 7 for b to wake, so that b has a live peer to heal from)
+    log = io.StringIO()
+    with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=0.5), heartbeat_timeout=0.5, log=log) as lighthouse:
+        launch = _Launch(lighthouse.address, tmp_path, 1, ("a", "b"))
+        groups = [*launch.start("a", 0, wait_at=(7, "b0.failed4")), *launch.start("b", 0, wait_at=(4, "release"))]
+        _wait_for([tmp_path / "a0.commit6"])
+        (tmp_path / "release").touch()
+        for p in groups:
+            p.join(240)
+            assert p.exitcode == 0, (p.exitcode, log.getvalue())
+    results = {rid: torch.load(tmp_path / f"{rid}.pt", weights_only=True) for rid in ("a", "b")}
+    commits = results["a"]["commits"]
+    assert [s for s, _ in commits] == list(range(STEPS)) and commits[4:7] == [(s, ["a"]) for s in (4, 5, 6)], commits
+    assert "left {'b': 'did not ask within join_timeout'}" in log.getvalue() and results["b"]["healed"] == 1
     want = _replay(commits)
     for rid in ("a", "b"):
         for name, p in results[rid]["params"].items():

@@ -61,9 +61,10 @@ class QuorumClient:
     def _connect(self, first: bool = False) -> Any:
         deadline = time.monotonic() + self.connect_timeout
         while True:
+            left = max(0.5, min(10.0, deadline - time.monotonic()))  # (the store's timeout bounds its connecting too)
             try:
                 return dist.TCPStore(self.host, self.port, is_master=False,  # type: ignore[attr-defined]
-                                     wait_for_workers=False, timeout=timedelta(seconds=10))
+                                     wait_for_workers=False, timeout=timedelta(seconds=left))
             except (RuntimeError, OSError) as exc:
                 if time.monotonic() > deadline:
                     what = "reach" if first else "reach again"
