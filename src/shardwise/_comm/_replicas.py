@@ -54,24 +54,22 @@ def replica_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, size: int, 
 def replica_send(tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup, timeout: timedelta,
                  label: str, tag: int = 0) -> None:
     """Send each of `tensors` (contiguous) to replica rank `dst`, in order, each waited for."""
-    for t in tensors:
-        what = f"send of {label} ({t.numel()} x {t.dtype}) to replica rank {dst}"
-        try:
-            work = group.send([t], dst, tag)
-        except RuntimeError as exc:
-            raise ReplicaError(what, exc) from exc
-        _waited(work, timeout, what)
-        notify(CommRecord("send", 2, 0))
+    _one_by_one("send", tensors, dst, group, timeout, label, tag)
 
 
 def replica_recv(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup, timeout: timedelta,
                  label: str, tag: int = 0) -> None:
     """Receive into each of `tensors` (contiguous) from replica rank `src`, in order."""
+    _one_by_one("recv", tensors, src, group, timeout, label, tag)
+
+
+def _one_by_one(op: str, tensors: Sequence[torch.Tensor], peer: int, group: dist.ProcessGroup, timeout: timedelta,
+                label: str, tag: int) -> None:
     for t in tensors:
-        what = f"receive of {label} ({t.numel()} x {t.dtype}) from replica rank {src}"
+        what = f"{op} of {label} ({t.numel()} x {t.dtype}) {'to' if op == 'send' else 'from'} replica rank {peer}"
         try:
-            work = group.recv([t], src, tag)
+            work = group.send([t], peer, tag) if op == "send" else group.recv([t], peer, tag)
         except RuntimeError as exc:
             raise ReplicaError(what, exc) from exc
         _waited(work, timeout, what)
-        notify(CommRecord("recv", 2, t.numel() * t.element_size()))
+        notify(CommRecord(op, 2, 0 if op == "send" else t.numel() * t.element_size()))
