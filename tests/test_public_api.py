@@ -113,7 +113,7 @@ def test_ft_surface_is_pinned() -> None:
 
     # torchft's names where they fit (Manager, DistributedDataParallel, Optimizer); the lighthouse is ours
     assert list(shardwise.ft.__all__) == ["DistributedDataParallel", "Lighthouse", "Manager", "Optimizer", "Quorum",
-                                          "QuorumRule"]
+                                          "QuorumRule", "ReplicaSampler"]
 
 
 DEBUG = [

@@ -112,3 +112,19 @@ def test_a_state_that_cannot_travel_as_tensors_and_json_is_refused_by_path() -> 
         pack({"model": {"fn": print}})
     with pytest.raises(TypeError, match="key"):
         pack({(1, 2): torch.ones(1)})
+
+
+def test_the_sampler_trains_every_sample_of_an_epoch_once_whoever_is_alive() -> None:
+    from shardwise.ft import ReplicaSampler
+
+    sampler = ReplicaSampler(103, 12, seed=3)  # 8 steps an epoch, 7 samples dropped
+    members_at = [3, 3, 2, 2, 1, 3, 2, 3]  # groups failing and coming back
+    seen: list[int] = []
+    for step, members in enumerate(members_at):
+        pieces = [sampler.indices(step, members, m, r, 2) for m in range(members) for r in range(2)]
+        assert sorted(i for p in pieces for i in p) == sorted(sampler.global_batch(step))
+        seen += [i for p in pieces for i in p]
+    assert len(seen) == len(set(seen)) == 96  # no sample twice, none of the epoch's skipped
+    assert sampler.global_batch(8) != sampler.global_batch(0)  # the next epoch, reshuffled
+    with pytest.raises(ValueError, match="global_batch_size=0"):
+        ReplicaSampler(10, 0)

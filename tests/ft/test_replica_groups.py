@@ -1,13 +1,12 @@
 """Replica groups that keep training when one dies, and a restarted group healed by a live one.
 
-Each replica group is its own process here (a group of one: its own world), as separate
-launches are under `shardwise run --ft`; the lighthouse runs in the test's process. Every
-group trains the same float64 model on its own batches (a function of the step and the
-group), through `shardwise.ft.DistributedDataParallel` and `Optimizer`. A group kills
-itself (SIGKILL) after a backward, before its vote; the test restarts it, as the launcher
-would. At the end every group's parameters must equal, bit for bit, every other's, and a
-one-process replay of the committed steps (each step's members' gradients averaged, then
-AdamW) to rounding.
+Each replica group is its own processes here (its own world), as separate launches are
+under `shardwise run --ft`; the lighthouse runs in the test's process. Every group trains
+the same float64 model through `shardwise.ft.DistributedDataParallel` and `Optimizer`, on
+its part of each step's global batch (`ReplicaSampler`: re-partitioned over the groups
+alive). A group kills itself (SIGKILL) after a backward, before its vote; the test restarts
+it, as the launcher would. At the end every group's parameters must equal, bit for bit,
+every other's, and one process trained on the committed steps' global batches, to rounding.
 """
 
 from __future__ import annotations
@@ -37,9 +36,17 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
 
 
-def _batch(step: int, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + ord(rid))
-    return torch.randn(6, 6, generator=g, dtype=torch.float64), torch.randn(6, 1, generator=g, dtype=torch.float64)
+DATA = 60  # samples; each step's global batch is re-partitioned over the groups alive (ReplicaSampler)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(DATA, 6, generator=g, dtype=torch.float64), torch.randn(DATA, 1, generator=g,
+                                                                               dtype=torch.float64)
+
+
+def _global_batch(groups: int) -> int:
+    return 10 if groups == 3 else 12  # 3 groups of 1: parts 4, 3, 3 (uneven: weighted by samples); 2 of 2: 6, 6
 
 
 def _wait_for(paths: list[Path], seconds: float = 240) -> None:
@@ -74,6 +81,8 @@ def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], 
                          lighthouse_addr=address, replica_id=rid, timeout=timedelta(seconds=3))
     ddp = ft.DistributedDataParallel(manager, model)
     optim = ft.Optimizer(manager, opt)
+    sampler = ft.ReplicaSampler(DATA, _global_batch(len(everyone)), manager)
+    xs, ys = _data()
     (folder / f"{rid}{rank}.ready{life}").touch()
     if life == 0:  # groups started together join one quorum
         _wait_for([folder / f"{g}{r}.ready0" for g in everyone for r in range(size)])
@@ -83,9 +92,8 @@ def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], 
         step = manager.current_step()
         if wait_at is not None and step >= wait_at[0]:
             _wait_for([folder / wait_at[1]])  # (the survivors wait for the restarted group to be up)
-        x, y = _batch(step, rid)
-        rows = slice(rank * len(x) // size, (rank + 1) * len(x) // size)  # this rank's share of the group's batch
-        torch.nn.functional.mse_loss(ddp(x[rows]), y[rows]).backward()
+        rows = sampler.indices()  # this rank's piece of its group's part of the step's global batch
+        torch.nn.functional.mse_loss(ddp(xs[rows]), ys[rows]).backward()
         if kill_at is not None and step >= kill_at and rank == size - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # after its gradients were sent, before its vote
         if optim.step():
@@ -143,18 +151,18 @@ def _free_port() -> int:
 
 
 def _replay(commits: list[tuple[int, list[str]]]) -> dict[str, torch.Tensor]:
+    """One process training on each committed step's global batch: what the groups alive at
+    each step computed between them (parts weighted by their samples)."""
+    from shardwise.ft import ReplicaSampler
+
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    for step, members in commits:
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for rid in members:
-            model.zero_grad()
-            x, y = _batch(step, rid)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            for g, p in zip(grads, model.parameters()):
-                g += p.grad / len(members)
-        for g, p in zip(grads, model.parameters()):
-            p.grad = g
+    sampler = ReplicaSampler(DATA, _global_batch(len({m for _, members in commits for m in members})))
+    xs, ys = _data()
+    for step, _ in commits:
+        opt.zero_grad()
+        rows = sampler.global_batch(step)
+        torch.nn.functional.mse_loss(model(xs[rows]), ys[rows]).backward()
         opt.step()
     return model.state_dict()
 

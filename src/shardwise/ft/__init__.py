@@ -19,6 +19,7 @@ alone, heals from a live peer instead of a checkpoint.
 from ._lighthouse import Lighthouse
 from ._manager import Manager
 from ._quorum import Quorum, QuorumRule
+from ._sampler import ReplicaSampler
 from ._wrappers import DistributedDataParallel, Optimizer
 
-__all__ = ["DistributedDataParallel", "Lighthouse", "Manager", "Optimizer", "Quorum", "QuorumRule"]
+__all__ = ["DistributedDataParallel", "Lighthouse", "Manager", "Optimizer", "Quorum", "QuorumRule", "ReplicaSampler"]
