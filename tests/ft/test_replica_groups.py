@@ -172,7 +172,7 @@ def test_a_killed_group_leaves_the_others_training_and_heals_from_a_live_one_on_
                                                                                         tmp_path: Path) -> None:
     groups = GROUPS if size == 1 else GROUPS[:2]
     log = io.StringIO()
-    with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=0.5), heartbeat_timeout=0.5, log=log) as lighthouse:
+    with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=2.0), heartbeat_timeout=0.5, log=log) as lighthouse:
         launch = _Launch(lighthouse.address, tmp_path, size, groups)
         survivors = [p for rid in groups if rid != "b" for p in launch.start(rid, 0, wait_at=(6, f"b{size - 1}.ready1"))]
         victim = launch.start("b", 0, kill_at=3)
@@ -184,10 +184,11 @@ def test_a_killed_group_leaves_the_others_training_and_heals_from_a_live_one_on_
     results = {rid: torch.load(tmp_path / f"{rid}.pt", weights_only=True) for rid in groups}
     commits = results["a"]["commits"]
     assert [s for s, _ in commits] == list(range(STEPS)), commits  # every step committed once, in order
-    for rid in groups:
-        assert results[rid]["commits"] == commits[STEPS - len(results[rid]["commits"]):]
+    for rid in groups:  # each group's (last life's) commits are the steps it took part in since it started
+        mine = results[rid]["commits"]
+        assert mine == [c for c in commits if c[0] >= mine[0][0] and rid in c[1]], (rid, mine, commits)
     assert any("b" not in members for _, members in commits), commits  # the others went on without b
-    assert commits[-1][1] == list(groups) and results["b"]["healed"] == 1
+    assert commits[-1][1] == list(groups) and results["b"]["healed"] >= 1  # (again if, slow, it missed a quorum)
     text = log.getvalue()
     assert "left {'b': 'heartbeat stale'}" in text and "b heals from" in text, text
     want = _replay(commits)
@@ -249,7 +250,7 @@ def test_a_hung_group_is_left_out_after_the_timeout_and_heals_when_it_wakes(tmp_
     results = {rid: torch.load(tmp_path / f"{rid}.pt", weights_only=True) for rid in ("a", "b")}
     commits = results["a"]["commits"]
     assert [s for s, _ in commits] == list(range(STEPS)) and commits[4:7] == [(s, ["a"]) for s in (4, 5, 6)], commits
-    assert "left {'b': 'did not ask within join_timeout'}" in log.getvalue() and results["b"]["healed"] == 1
+    assert "left {'b': 'did not ask within join_timeout'}" in log.getvalue() and results["b"]["healed"] >= 1
     want = _replay(commits)
     for rid in ("a", "b"):
         for name, p in results[rid]["params"].items():
