@@ -119,9 +119,14 @@ def _moved(x: DTensor, layout: Optional[Placement]) -> DTensor:
 
 
 def _finish(x: DTensor, use_local: bool) -> Union[DTensor, torch.Tensor]:
-    if type(x._local_tensor) is not torch.Tensor:  # (a piece still arriving: its own to_local waits for it)
-        return x.to_local() if use_local else x
-    return to_local(x, handed_over=True) if use_local else x
+    if not use_local:
+        return x
+    # a piece still arriving: its own to_local waits for it; under torch.compile the method is what
+    # dynamo follows (an in-graph DTensor's spec cannot be handed to a function), and AOTAutograd's
+    # functionalization lets a model change the piece in place anyway
+    if torch.compiler.is_compiling() or type(x._local_tensor) is not torch.Tensor:
+        return x.to_local()
+    return to_local(x, handed_over=True)
 
 
 @dataclass(frozen=True)
