@@ -41,6 +41,8 @@ __all__ = [
     "settle",
     "local_bytes",
     "close",
+    "one_process_world",
+    "on_first_rank",
 ]
 
 
@@ -83,10 +85,13 @@ FULL = Settings(
 )
 QUICK = Settings(
     quick=True,
-    repeats=3,
+    # One timed sample and one warm-up call: a quick run's timings mean nothing, and what it
+    # checks (every row there, every row's own check) needs each step run, not repeated. A
+    # compiled step still gets its eager first call, its traced call (the warm-up) and a replay.
+    repeats=1,
     op_repeats=3,
     inner=5,
-    warmup=3,
+    warmup=1,
     redistribute_shape=(64, 64),
     mlp=(64, 256, 8),
     gpt=(64, 32, 4, 8, 2, 4),  # tests/models.py's GPTConfig() and batch
@@ -246,3 +251,18 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> bool:
         return True
     scale = max(1.0, float(want.double().abs().max()))
     return float((got.double() - want.double()).abs().max()) <= tol * scale
+
+
+def one_process_world(settings: Settings) -> int:
+    """The pool a one-process measurement runs on (`on_first_rank`): its own 1-process pool in a
+    full run; in a quick run the 2-rank pool the other benchmarks start anyway (a pool start is
+    seconds of `import torch`), where rank 0 runs it alone."""
+    return 2 if settings.quick else 1
+
+
+def on_first_rank(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on rank 0 alone, None on the others at once (a run_distributed body for one
+    process's measurement on a pool of more: `fn` must issue no collectives)."""
+    import torch.distributed as dist
+
+    return fn(*args) if dist.get_rank() == 0 else None

@@ -1,5 +1,7 @@
 """Context parallel: a 2-layer Llama-shaped model's train step on long sequences, one process against cp=4.
 
+(A quick run: cp=2 and one K/V head, see `_cp`.)
+
 One process runs forward and backward of the whole sequence (transformers' sdpa attention:
 torch's CPU flash kernel, causal); then 4 gloo ranks run the same step under
 `shardwise.experimental.context_parallel` (head-tail pieces), with the K/V all-gather
@@ -22,26 +24,36 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import Column, Settings, Table, quiet, ratio
+from ._common import Column, Settings, Table, on_first_rank, one_process_world, quiet, ratio
 from .memory import peak_allocated
 
 __all__ = ["body", "run"]
 
-CP = 4
+CP = 4  # ranks of the full run
+KV_HEADS = 2  # the full run's K/V heads: fewer than cp, so Ulysses gives each query head its own copy
 ROTATIONS = ("allgather", "ulysses", "ring")
 
 
+def _cp(settings: Settings) -> tuple[int, int]:
+    """(cp ranks, K/V heads). Quick (the smoke test): 2 ranks and 1 K/V head, still fewer K/V
+    heads than cp (Ulysses' grouped-query path, as at full size), for half the ranks' work and
+    no pool of 4 loading transformers' Llama (the other benchmarks that build one run on 2 too)."""
+    return (2, 1) if settings.quick else (CP, KV_HEADS)
+
+
 def _lengths(settings: Settings) -> tuple[int, ...]:
-    return (128, 256) if settings.quick else (4096, 8192, 16384, 32768)
+    """Sequence lengths. Quick (the smoke test): one, as every length runs the same rotations."""
+    return (128,) if settings.quick else (4096, 8192, 16384, 32768)
 
 
-def _model() -> Any:
+def _model(settings: Settings) -> Any:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)
+                                      num_attention_heads=4, num_key_value_heads=_cp(settings)[1],
+                                      max_position_embeddings=65536)
     return transformers.LlamaForCausalLM(config)
 
 
@@ -71,7 +83,7 @@ def _timed(fn: Any, repeats: int) -> tuple[list[float], int]:
 
 
 def one_process(settings: Settings, seq: int) -> dict[str, Any]:
-    model = _model()
+    model = _model(settings)
     ids, positions, shift = _batch(seq)
     counted = int((shift != -100).sum())
     losses: list[torch.Tensor] = []
@@ -89,8 +101,8 @@ def body(settings: Settings, seq: int, rotate: str) -> dict[str, Any]:
 
     set_rotate_method(rotate)
     set_load_balance(True)
-    model = _model()
-    mesh = sw.init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))
+    model = _model(settings)
+    mesh = sw.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
     ids, positions, shift = _batch(seq)
     counted = int((shift != -100).sum())
     losses: list[torch.Tensor] = []
@@ -114,8 +126,9 @@ def style(settings: Settings, seq: int) -> dict[str, Any]:
 
     set_rotate_method("allgather")
     set_load_balance(True)
-    model = _model()
-    parallelize_module(model, sw.init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",)), ContextParallel())
+    model = _model(settings)
+    parallelize_module(model, sw.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",)),
+                       ContextParallel())
     ids = _batch(seq)[0]
     losses: list[torch.Tensor] = []
 
@@ -135,13 +148,15 @@ def _failed(exc: BaseException) -> str:
     return "failed: " + str(exc).splitlines()[0][:120]
 
 
-def torch_context_parallel(seq: int) -> Optional[str]:
+def torch_context_parallel(settings: Settings, seq: int) -> Optional[str]:
     """None when torch's context_parallel runs the step here; else the first line of its error."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
-    model = _model()
-    mesh = init_device_mesh("cpu", (CP,))
+    import torch.distributed as dist
+
+    model = _model(settings)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     ids, positions, shift = _batch(seq)
     try:
         with quiet(), context_parallel(mesh, buffers=[ids, positions, shift], buffer_seq_dims=[1, 1, 1]):
@@ -154,27 +169,29 @@ def torch_context_parallel(seq: int) -> Optional[str]:
 def run(settings: Settings) -> list[Table]:
     from shardwise.testing import run_distributed
 
+    cp, kv = _cp(settings)
     table = Table(
         "context_parallel",
-        f"context parallel: 2-layer Llama-shaped train step (hidden 128, 4 heads, 2 K/V heads), one process vs "
-        f"cp={CP} on {CP} ranks: peak MiB allocated per rank during the step (largest rank), seconds (slowest rank)",
+        f"context parallel: 2-layer Llama-shaped train step (hidden 128, 4 heads, {kv} K/V heads), one process vs "
+        f"cp={cp} on {cp} ranks: peak MiB allocated per rank during the step (largest rank), seconds (slowest rank)",
         [Column("seq", "tokens"), Column("who", "who"), Column("peak_mib", "peak MiB", ".1f"),
          Column("peak_vs_one", "peak / 1 process", ".2f"), Column("s", "step s", ".2f"),
          Column("time_vs_one", "time / 1 process", ".2f"), Column("check", "loss check")],
     )
     for seq in _lengths(settings):
         try:
-            single = run_distributed(one_process, 1, settings, seq, timeout=settings.timeout)[0]
+            single = run_distributed(on_first_rank, one_process_world(settings), one_process, settings, seq,
+                                     timeout=settings.timeout)[0]
         except Exception as exc:  # noqa: BLE001 - reported in the row
             table.rows.append({"seq": seq, "who": "1 process", "peak": None, "check": _failed(exc)})
             continue
         table.rows.append({"seq": seq, "who": "1 process", "peak": single["peak"], "peak_mib": single["peak"] / 2**20,
                            "peak_vs_one": 1.0, "s": min(single["seconds"]), "time_vs_one": 1.0, "check": "-"})
         for rotate in (*ROTATIONS, "style"):
-            who = f"shardwise cp={CP} " + (rotate if rotate != "style" else "ContextParallel() allgather")
+            who = f"shardwise cp={cp} " + (rotate if rotate != "style" else "ContextParallel() allgather")
             try:
-                per_rank = (run_distributed(style, CP, settings, seq, timeout=settings.timeout) if rotate == "style"
-                            else run_distributed(body, CP, settings, seq, rotate, timeout=settings.timeout))
+                per_rank = (run_distributed(style, cp, settings, seq, timeout=settings.timeout) if rotate == "style"
+                            else run_distributed(body, cp, settings, seq, rotate, timeout=settings.timeout))
             except Exception as exc:  # noqa: BLE001 - reported in the row
                 table.rows.append({"seq": seq, "who": who, "peak": None, "check": _failed(exc)})
                 continue
@@ -185,7 +202,7 @@ def run(settings: Settings) -> list[Table]:
                                "peak_mib": peak / 2**20, "peak_vs_one": ratio(peak, single["peak"]), "s": seconds,
                                "time_vs_one": ratio(seconds, min(single["seconds"])),
                                "check": "ok" if close else "WRONG"})
-    failure = run_distributed(torch_context_parallel, CP, _lengths(settings)[0], timeout=settings.timeout)[0]
+    failure = run_distributed(torch_context_parallel, cp, settings, _lengths(settings)[0], timeout=settings.timeout)[0]
     table.rows.append({"seq": _lengths(settings)[0], "who": "torch context_parallel",
                        "check": "runs" if failure is None else "fails"})
     if failure is not None:
@@ -195,7 +212,7 @@ def run(settings: Settings) -> list[Table]:
             and budget is not None and r["peak"] <= budget]
     if budget is not None:
         table.notes.append(f"within one process's peak at {table.rows[0]['seq']} tokens ({budget / 2**20:.1f} MiB), "
-                           f"cp={CP} allgather ran up to {max(fits) if fits else 'none'} of the lengths tried")
+                           f"cp={cp} allgather ran up to {max(fits) if fits else 'none'} of the lengths tried")
     table.notes.append("peak: torch's CPU allocator, net, during one step, on top of the model and its inputs; "
                        "one process runs transformers' sdpa (CPU flash kernel, causal); allgather and the ring run "
                        "the same kernel per visible pair of chunks, Ulysses runs SDPA in sequence order")

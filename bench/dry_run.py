@@ -15,16 +15,21 @@ of 8 with one dp rank's batch, with the weights' layouts it chose.
 
 Each side runs in a fresh Python process of its own, so its wall time (from importing the
 library to the end of the step) and its peak resident memory are its own; importing torch
-and transformers is timed apart. The issue's bar for shardwise: under 60 s and under 2 GB on this 2-core box.
+and transformers is timed apart. A quick run (the smoke test) imports them once in one
+process and forks each side from it, side by side. The issue's bar for shardwise: under 60 s
+and under 2 GB on this 2-core box.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from ._common import Column, Settings, Table
@@ -138,38 +143,94 @@ def _solver(config: dict[str, Any], seq: int) -> dict[str, Any]:
             "variables": solved.solution.variables, "optimal": solved.solution.optimal, "cuts": cuts}
 
 
-def _child(which: str, quick: bool) -> None:
+SIDES = {"shardwise": _shardwise, "torch": _torch, "planner": _planner, "solver": _solver}
+
+
+def _import(llama: bool = False) -> float:
+    """Seconds to import torch and transformers (timed apart from the run); and transformers'
+    Llama, which every side builds, when `llama` (the quick run's: imported once for all sides)."""
     started = time.perf_counter()
-    import torch  # noqa: F401  (the imports are timed apart from the run)
+    import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    imported = time.perf_counter() - started
+    if llama:
+        import transformers.models.llama.modeling_llama  # noqa: F401
+    return time.perf_counter() - started
+
+
+def _side(which: str, quick: bool, imported: float) -> dict[str, Any]:
     config, seq = (QUICK_MODEL, 128) if quick else (FULL_MODEL, 4096)
-    out = {"shardwise": _shardwise, "torch": _torch, "planner": _planner, "solver": _solver}[which](config, seq)
+    out = SIDES[which](config, seq)
     out["import_seconds"] = imported
     out["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(out), flush=True)
+    return out
+
+
+def _child(which: str, quick: bool) -> None:
+    imported = _import()
+    print("RESULT " + json.dumps(_side(which, quick, imported)), flush=True)
+
+
+def _forked(whiches: list[str]) -> int:
+    """A quick run's sides: torch and transformers (its Llama too) imported once, then each side
+    in a process forked from this one (fresh: no process group, nothing run yet), side by side;
+    every side's RESULT line in the order asked, or exit status 1 naming the sides that failed."""
+    import tempfile
+    import traceback
+
+    imported = _import(llama=True)
+    with tempfile.TemporaryDirectory(prefix="shardwise-bench-dry-run-") as folder:
+        pids = {}
+        for which in whiches:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the side: write its result, and leave without running the parent's cleanup
+                code = 1
+                try:
+                    result = _side(which, True, imported)
+                    Path(folder, which + ".json").write_text(json.dumps(result))
+                    code = 0
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            pids[which] = pid
+        failed = [which for which, pid in pids.items() if os.waitpid(pid, 0)[1] != 0]
+        for which in whiches:
+            if which not in failed:
+                print("RESULT " + Path(folder, which + ".json").read_text(), flush=True)
+    if failed:
+        print(f"bench.dry_run: {', '.join(failed)} failed (tracebacks above)", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+WHICHES = ["shardwise", "torch", "planner", "solver"]
 
 
 def _measure(whiches: list[str], settings: Settings) -> list[dict[str, Any]]:
-    """Each side's result from a fresh process of its own: one after another, so each is timed
-    alone; side by side in a quick run, whose timings mean nothing (the smoke test's time)."""
-    commands = [[sys.executable, "-m", "bench.dry_run", which] + (["--quick"] if settings.quick else [])
-                for which in whiches]
+    """Each side's result from a fresh process of its own, one after another, so each is timed
+    alone. A quick run (whose timings mean nothing: the smoke test's time) starts one process
+    that imports torch and transformers once and forks a fresh process per side, side by side."""
     if not settings.quick:
+        commands = [[sys.executable, "-m", "bench.dry_run", which] for which in whiches]
         return [_result(args, subprocess.run(args, capture_output=True, text=True, timeout=settings.timeout))
                 for args in commands]
-    running = [(args, subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-               for args in commands]
+    args = [sys.executable, "-m", "bench.dry_run", "--quick", *whiches]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        found = []
-        for args, p in running:
-            out, err = p.communicate(timeout=settings.timeout)
-            found.append(_result(args, subprocess.CompletedProcess(args, p.returncode, out, err)))
-        return found
-    finally:
-        for _, p in running:
-            p.kill()
+        out, err = proc.communicate(timeout=settings.timeout)
+    except BaseException:  # a timeout (or an interrupt): the forked sides go with their parent
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or len(lines) != len(whiches):
+        raise RuntimeError(f"{' '.join(args)} exited {proc.returncode}:\n{out[-2000:]}\n{err[-4000:]}")
+    return [dict(json.loads(line[len("RESULT "):])) for line in lines]
 
 
 def _result(args: list[str], proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -181,7 +242,7 @@ def _result(args: list[str], proc: subprocess.CompletedProcess[str]) -> dict[str
 
 def run(settings: Settings) -> list[Table]:
     config = QUICK_MODEL if settings.quick else FULL_MODEL
-    ours, theirs, planned, solved = _measure(["shardwise", "torch", "planner", "solver"], settings)
+    ours, theirs, planned, solved = _measure(WHICHES, settings)
     rows = [
         {"who": "shardwise dry_run", "seconds": ours["seconds"], "rss": ours["max_rss_mib"],
          "imports": ours["import_seconds"], "reports": f"{ours['collectives']} collectives, peak "
@@ -222,4 +283,7 @@ def _cuts(cuts: dict[str, str]) -> str:
 
 
 if __name__ == "__main__":
+    # `python -m bench.dry_run SIDE`: one side, a full run's process; `--quick SIDE...`: the quick run's, forked
+    if sys.argv[1] == "--quick":
+        raise SystemExit(_forked(sys.argv[2:]))
     _child(sys.argv[1], "--quick" in sys.argv[2:])

@@ -1,8 +1,8 @@
 """Loading a transformers checkpoint into shards: shardwise's HuggingFaceStorageReader against torch's (DCP).
 
 transformers' `save_pretrained` writes a seeded Llama once, split into several safetensors
-files behind an index. On 4 gloo ranks the same model, differently seeded, is sharded per
-layer and at the root by each library's `fully_shard` on (4,), and loaded from that
+files behind an index. On 4 gloo ranks (2 in a quick run) the same model, differently seeded, is
+sharded per layer and at the root by each library's `fully_shard` over them all, and loaded from that
 directory with `load(model.state_dict(), storage_reader=HuggingFaceStorageReader(path))`
 of each library, interleaved after a barrier (a fresh reader per load, headers included).
 
@@ -28,12 +28,14 @@ from typing import Any, Optional
 
 import torch
 
-from ._common import Column, Settings, Table, interleaved, local_bytes, per_repeat_max_median, quiet, ratio
+from ._common import (Column, Settings, Table, interleaved, local_bytes, on_first_rank, per_repeat_max_median, quiet,
+                      ratio)
 from .memory import peak_allocated
 
 __all__ = ["body", "run"]
 
-WORLD = 4
+WORLD = 4  # ranks of the full run
+QUICK_WORLD = 2  # a quick run's (the smoke test's): every rank still reads only its own pieces, half the ranks' work
 WHO = ("shardwise", "torch")
 
 
@@ -53,12 +55,20 @@ def _llama(settings: Settings, seed: int) -> Any:
     return transformers.LlamaForCausalLM(_config(settings))
 
 
+def _save(settings: Settings, root: str) -> None:
+    """The checkpoint every load reads: a Llama seeded apart from the loaded ones, in several files."""
+    _llama(settings, 0).save_pretrained(root, max_shard_size=settings.hf_load[4])
+
+
 def _shard(who: str, model: Any) -> Any:
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
     if who == "torch":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-        torch_mesh = init_device_mesh("cpu", (WORLD,))
+        torch_mesh = init_device_mesh("cpu", (world,))
         for layer in model.model.layers:
             torch_fully_shard(layer, mesh=torch_mesh)
         torch_fully_shard(model, mesh=torch_mesh)
@@ -66,7 +76,7 @@ def _shard(who: str, model: Any) -> Any:
     import shardwise as sw
     from shardwise.fsdp import fully_shard
 
-    mesh = sw.init_device_mesh("cpu", (WORLD,))
+    mesh = sw.init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -154,18 +164,22 @@ def run(settings: Settings) -> list[Table]:
     from shardwise.testing import run_distributed
 
     hidden, width, layers, vocab, max_shard_size = settings.hf_load
+    world = QUICK_WORLD if settings.quick else WORLD
     root = tempfile.mkdtemp(prefix="shardwise-bench-hf-load-")
     try:
-        _llama(settings, 0).save_pretrained(root, max_shard_size=max_shard_size)
+        if settings.quick:  # by a worker, which imports transformers anyway: not this process too
+            run_distributed(on_first_rank, world, _save, settings, root, timeout=settings.timeout)
+        else:
+            _save(settings, root)
         files = sum(name.endswith(".safetensors") for name in os.listdir(root))
-        per_rank = run_distributed(body, WORLD, settings, root, timeout=settings.timeout)
+        per_rank = run_distributed(body, world, settings, root, timeout=settings.timeout)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     mb = sum(r["shardwise"]["own"] for r in per_rank) / 2**20
     table = Table(
         "hf_load",
         f"load a transformers Llama ({hidden} hidden, {layers} layers, vocab {vocab}; {mb:.0f} MB fp32 in {files} "
-        f"safetensors files) into fully_shard on 4 ranks: ms (slowest rank, median of {settings.repeats}), MiB per "
+        f"safetensors files) into fully_shard on {world} ranks: ms (slowest rank, median of {settings.repeats}), MiB per "
         f"rank (largest rank)",
         [Column("who", "who"), Column("ms", "load ms", ".1f"), Column("time_vs_torch", "time / torch", ".2f"),
          Column("read_mib", "read", ".2f"), Column("read_vs_own", "read / own", ".3f"),

@@ -1,7 +1,7 @@
 """Expert parallelism: a DeepSeek-V3-shaped train step, token dispatch against replicated tokens, on 4 ranks.
 
-One gloo run of 4 ranks, one global batch of 4 sequences, the same weights for every
-contender (transformers' `DeepseekV3ForCausalLM`, eager experts, float32, AdamW):
+One gloo run of 4 ranks, one global batch of 4 sequences (2 and 2 in a quick run: `QUICK_EP`),
+the same weights for every contender (transformers' `DeepseekV3ForCausalLM`, eager experts, float32, AdamW):
 - one process: rank 0 alone steps on the whole batch while the others wait;
 - replicated tokens: `ExpertParallel()` on every `mlp.experts`, every rank runs the whole
   batch, its own experts on every route that reaches them, one all-reduce per layer after;
@@ -35,7 +35,8 @@ from .memory import peak_allocated
 
 __all__ = ["body", "run"]
 
-EP = 4
+EP = 4  # ranks of the full run
+QUICK_EP = 2  # a quick run's (the smoke test's): the same dispatch, 4 experts a rank, half the ranks' work
 CAPACITY = 1.25
 WHO = ("one", "replicated", "split", "capacity", "compiled")
 DISPATCH = ("split", "capacity", "compiled")
@@ -47,11 +48,18 @@ PEAK_TARGET = 0.35  # token dispatch's peak per rank / one process's
 TOLERANCE = 1e-4  # relative, float32
 
 
+def _ep(settings: Settings) -> int:
+    """The ep ranks (and sequences in the global batch)."""
+    return QUICK_EP if settings.quick else EP
+
+
 def _config(settings: Settings) -> tuple[dict[str, Any], int]:
     """DeepseekV3Config's sizes (1 dense layer, then MoE layers of 8 routed experts, top 2, 1
-    shared expert, one routing group) and the sequence length."""
+    shared expert, one routing group) and the sequence length. Quick: one MoE layer (every
+    contender's code path runs per layer, and the compiled contender's three traces, the
+    smoke test's largest cost, grow with the layers)."""
     if settings.quick:
-        return dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        return dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
                     qk_nope_head_dim=4, v_head_dim=8), 16
     return dict(vocab_size=2048, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256,
@@ -147,7 +155,7 @@ def _measure(who: str, model: nn.Module, ids: torch.Tensor, step: Callable[[], t
         loss = step()
         if who in DISPATCH:
             dist.all_reduce(loss)
-            loss /= EP
+            loss /= dist.get_world_size()
             if k == 0:
                 out["dropped"] = _routes(model)
         out["losses"].append(loss.item())
@@ -176,9 +184,10 @@ def body(settings: Settings) -> dict[str, dict[str, Any]]:
 
     sizes, seq = _config(settings)
     rank = dist.get_rank()
-    ids = torch.randint(0, sizes["vocab_size"], (EP, seq), generator=torch.Generator().manual_seed(1))
+    ep = _ep(settings)
+    ids = torch.randint(0, sizes["vocab_size"], (ep, seq), generator=torch.Generator().manual_seed(1))
     base = _model(sizes, seq)
-    mesh = sw.init_device_mesh("cpu", (EP,), mesh_dim_names=("ep",))
+    mesh = sw.init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
     out: dict[str, dict[str, Any]] = {}
     steps: dict[str, Callable[[], Optional[torch.Tensor]]] = {}
     traced: Any = None  # the compiled contender's step
@@ -218,13 +227,14 @@ def run(settings: Settings) -> list[Table]:
     from shardwise.testing import run_distributed
 
     sizes, seq = _config(settings)
-    per_rank = run_distributed(body, EP, settings, timeout=3 * settings.timeout)
+    ep = _ep(settings)
+    per_rank = run_distributed(body, ep, settings, timeout=3 * settings.timeout)
     moe_layers = sizes["num_hidden_layers"] - 1
     table = Table(
         "moe",
         f"expert parallelism, DeepSeek-V3-shaped train step (hidden {sizes['hidden_size']}, 1 dense + {moe_layers} "
         f"MoE layers of 8 experts, top 2, 1 shared, expert width {sizes['moe_intermediate_size']}, float32, AdamW), "
-        f"global batch {EP} x {seq} tokens, ep={EP}: step (slowest rank), MiB per rank (largest rank); targets at "
+        f"global batch {ep} x {seq} tokens, ep={ep}: step (slowest rank), MiB per rank (largest rank); targets at "
         f"full size: token dispatch time / replicated <= {TIME_TARGET}, peak / 1 process <= {PEAK_TARGET}",
         [Column("who", "who"), Column("step_ms", "step ms", ".1f"),
          Column("time_vs_replicated", "time / replicated", ".2f"), Column("resident_mib", "resident", ".1f"),
@@ -265,7 +275,7 @@ def run(settings: Settings) -> list[Table]:
     table.notes.append("peak = resident (parameters, AdamW state, batch) + the highest point of the allocator's "
                        "running sum during one step (gradients, activations, buffers torch allocates); the dense "
                        "parameters are whole on every rank (data_parallel without shard_parameters), the experts a "
-                       f"quarter each; 1 process: rank 0 while the {EP - 1} others wait")
+                       f"{'a quarter' if ep == 4 else f'1/{ep}'} each; 1 process: rank 0 while the {ep - 1} others wait")
     table.notes.append("shardwise.compile: the first call makes AdamW's state and runs eagerly, the second is "
                        "traced, every later one replays the traced program (checked: no signature ran eagerly, loss as eager's)")
     table.notes.append("MiB received: the largest rank's, counted by shardwise.debug.CommCounter around one step")

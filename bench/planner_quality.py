@@ -1,7 +1,7 @@
 """Planner quality: the AutoPlanner's choice against the Megatron hand plan and pure data parallel, measured.
 
 Two tables: the demo CharGPT, and an unchanged HF Llama (GQA) of the same size. On 4 gloo
-ranks, a (4,) mesh: the cost model is calibrated on the real groups
+ranks, a (4,) mesh (2 in a quick run, see `_world`): the cost model is calibrated on the real groups
 (`CostModel.calibrate`), the planner chooses a role for the mesh dim by dry runs of the demo
 CharGPT's training step, and then three copies of one seeded model train side by side,
 interleaved: the planner's choice applied (`planner.apply`), the Megatron plan
@@ -26,6 +26,14 @@ __all__ = ["body", "run"]
 CHOICES = {"megatron": ("tp",), "data parallel": ("dp",)}
 
 
+def _world(settings: Settings) -> int:
+    """Ranks (the mesh is (world,)). A quick run (the smoke test) plans on 2, for half the ranks'
+    planning (every rank plans alike) and no pool of 4 loading transformers' Llama: the same
+    candidates and cuts, the demo GPT's 4 heads 2 a rank, and the Llama given 1 K/V head instead
+    of 2, so that its K/V projections are still cut within a head, as 2 are over 4 ranks."""
+    return 2 if settings.quick else 4
+
+
 def _model(which: str, settings: Settings) -> tuple[Any, Any]:
     """(the model, logits of its output): the demo CharGPT, or an HF Llama of the same size."""
     vocab, d_model, heads, seq, layers, batch = settings.gpt
@@ -36,8 +44,9 @@ def _model(which: str, settings: Settings) -> tuple[Any, Any]:
         return CharGPT(CharGPTConfig(vocab=vocab, d_model=d_model, heads=heads, seq=seq, layers=layers)), lambda o: o
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    kv_heads = heads // 4 if settings.quick else heads // 2  # fewer K/V heads than ranks either way (`_world`)
     config = LlamaConfig(vocab_size=vocab, hidden_size=d_model, intermediate_size=4 * d_model, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=seq)
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq)
     return LlamaForCausalLM(config), lambda o: o.logits
 
 
@@ -50,12 +59,13 @@ def body(settings: Settings, which: str = "gpt") -> dict[str, Any]:
     from shardwise.planner import AutoPlanner, CostModel
 
     vocab, d_model, heads, seq, layers, batch = settings.gpt
-    mesh = sw.init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
+    world = dist.get_world_size()
+    mesh = sw.init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
     cost = CostModel.calibrate(mesh)
     base, logits_of = _model(which, settings)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
-    planner = AutoPlanner(sw.AbstractMesh((4,), ("x",)), example_inputs=(x,), cost=cost)
+    planner = AutoPlanner(sw.AbstractMesh((world,), ("x",)), example_inputs=(x,), cost=cost)
     planner.build_plan(base)
     assert planner.report is not None
     modelled = {c.roles: c.cost.seconds for c in planner.report.candidates}
@@ -64,8 +74,9 @@ def body(settings: Settings, which: str = "gpt") -> dict[str, Any]:
               "data parallel": data_parallel(copy.deepcopy(base), mesh)}
     roles = {"auto": planner.report.chosen.roles, **CHOICES}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
+    rows = mesh.get_local_rank(0)
     inputs = {"auto": (planner.local_inputs((x,), mesh)[0], planner.local_inputs((y,), mesh)[0]),
-              "megatron": (x, y), "data parallel": (x.chunk(4)[mesh.get_local_rank(0)], y.chunk(4)[mesh.get_local_rank(0)])}
+              "megatron": (x, y), "data parallel": (x.chunk(world)[rows], y.chunk(world)[rows])}
 
     def stepper(name: str) -> Any:
         model, opt, (xs, ys) = models[name], opts[name], inputs[name]
@@ -91,7 +102,8 @@ def _table(settings: Settings, which: str) -> Table:
     from shardwise.testing import run_distributed
 
     vocab, d_model, heads, seq, layers, batch = settings.gpt
-    per_rank = run_distributed(body, 4, settings, which, timeout=settings.timeout)
+    world = _world(settings)
+    per_rank = run_distributed(body, world, settings, which, timeout=settings.timeout)
     rows = []
     for name in ("auto", "megatron", "data parallel"):
         ms = per_repeat_max_median([r["samples"][name] for r in per_rank])
@@ -102,7 +114,7 @@ def _table(settings: Settings, which: str) -> Table:
     model = "demo GPT" if which == "gpt" else "HF Llama (GQA)"
     table = Table("planner_quality" if which == "gpt" else "planner_quality_llama",
                   f"planned vs hand plan, {model} {layers} blocks d={d_model} seq={seq} vocab={vocab} batch {batch} "
-                  f"on (4,): ms per training step",
+                  f"on ({world},): ms per training step",
                   [Column("plan", "plan"), Column("measured_ms", "measured ms", ".2f"),
                    Column("modelled_ms", "modelled ms", ".2f")], rows)
     over = ratio(rows[0]["measured_ms"], rows[1]["measured_ms"])

@@ -12,6 +12,7 @@ timings mean nothing.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -19,7 +20,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python bench/run.py`: the workers import bench.* and tests.models by name
@@ -27,51 +28,50 @@ if str(ROOT) not in sys.path:  # `python bench/run.py`: the workers import bench
         sys.path.pop(0)
     sys.path.insert(0, str(ROOT))
 
-from bench import checkpoint, context_parallel, cross_mesh, dry_run, fsdp, hf_load, long_run, memory, moe, optimizer, overhead, overlap, pipeline_steps, planner_quality, redistribute, steps  # noqa: E402
-from bench._common import FULL, QUICK, Settings, Table, load_average, machine_info  # noqa: E402
+if TYPE_CHECKING:
+    from bench._common import Settings, Table
 
-__all__ = ["BENCHMARKS", "main"]
+__all__ = ["BENCHMARKS", "NAMES", "benchmarks", "main"]
 
-BENCHMARKS: dict[str, Callable[[Settings], list[Table]]] = {
-    "overhead": overhead.run,
-    "redistribute": redistribute.run,
-    "overlap": overlap.run,
-    "steps": steps.run,
-    "memory": memory.run,
-    "fsdp": fsdp.run,
-    "checkpoint": checkpoint.run,
-    "hf_load": hf_load.run,
-    "cross_mesh": cross_mesh.run,
-    "dry_run": dry_run.run,
-    "planner_quality": planner_quality.run,
-    "context_parallel": context_parallel.run,
-    "long_run": long_run.run,
-    "optimizer": optimizer.run,
-    "pipeline_steps": pipeline_steps.run,
-    "moe": moe.run,
-}
+# In the order they run. Named here, imported by `benchmarks()`: an argument error is reported
+# before anything imports torch (seconds on a loaded machine).
+NAMES = ("overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint", "hf_load", "cross_mesh",
+         "dry_run", "planner_quality", "context_parallel", "long_run", "optimizer", "pipeline_steps", "moe")
+
+
+def benchmarks() -> dict[str, Callable[[Settings], list[Table]]]:
+    """Each benchmark's `run(settings)`, by name, in the order they run (imports them all)."""
+    return {name: importlib.import_module(f"bench.{name}").run for name in NAMES}
+
+
+def __getattr__(name: str) -> Any:  # `BENCHMARKS`, as before: imported on first use
+    if name == "BENCHMARKS":
+        return benchmarks()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats (the smoke test); timings mean nothing")
-    p.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    p.add_argument("--only", default=",".join(NAMES), help=f"comma-separated subset of {','.join(NAMES)}")
     p.add_argument("--repeats", type=int, default=None, help="timed samples per case and library")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default: bench/results/bench-<time>.json)")
     args = p.parse_args(argv)
     args.names = [n.strip() for n in args.only.split(",") if n.strip()]
-    unknown = [n for n in args.names if n not in BENCHMARKS]
+    unknown = [n for n in args.names if n not in NAMES]
     if unknown or not args.names:
-        p.error(f"--only {args.only!r}: unknown {unknown or 'empty list'}; choose from {','.join(BENCHMARKS)}")
+        p.error(f"--only {args.only!r}: unknown {unknown or 'empty list'}; choose from {','.join(NAMES)}")
     if args.repeats is not None and args.repeats < 1:
         p.error(f"--repeats {args.repeats}: needs at least 1 timed sample")
     return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parse(argv)
+    from bench._common import FULL, QUICK, load_average, machine_info
     from shardwise.testing import shutdown_pools
 
-    args = _parse(argv)
+    runs = benchmarks()
     settings = (QUICK if args.quick else FULL).with_repeats(args.repeats)
     info: dict[str, Any] = machine_info()
     info["load_average_start"] = list(load_average())
@@ -86,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for name in args.names:
             started = time.monotonic()
             try:
-                for table in BENCHMARKS[name](settings):
+                for table in runs[name](settings):
                     table.load = load_average()
                     print(table.render() + "\n", flush=True)
                     tables[table.name] = table.as_json()

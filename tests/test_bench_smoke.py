@@ -1,6 +1,6 @@
 """The benchmark suite runs end to end: `python -m bench --quick` prints every table and row and writes its JSON.
 
-One quick run (tiny shapes, 3 repeats) in a subprocess, as `make bench` would start it,
+One quick run (tiny shapes, 1 repeat) in a subprocess, as `make bench` would start it,
 shared by the tests below. No timing is asserted; what is asserted is that every
 benchmark row is there for both libraries, and that every row's own check passed: both
 libraries computed the single-device result, the train steps left every copy with the

@@ -41,10 +41,13 @@ def test_cpu_rehearsal_writes_every_section_with_numbers(tmp_path: Path) -> None
     env = {**os.environ, "PYTHON": sys.executable}
     start = time.monotonic()
     # All but the device tests, which this suite runs on its own (nested here they doubled the time),
-    # with a longer budget than the 90 s default: this machine may be shared with a whole test suite.
-    command = ["bash", str(SCRIPT), "--cpu", "--budget", "240", "--only", ",".join(MUST_BE_OK), str(tmp_path)]
+    # side by side (each section's code is what is rehearsed here; the one-at-a-time order and its
+    # per-section limits are the next test's), each allowed the whole budget, far above the 90 s
+    # default: a rehearsal on a machine shared with a whole test suite must not fail for time.
+    command = ["bash", str(SCRIPT), "--cpu", "--side-by-side", "--budget", "600", "--only", ",".join(MUST_BE_OK),
+               str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=900)
     seconds = time.monotonic() - start
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "summary.md").exists()
@@ -104,6 +107,45 @@ def test_a_crashing_or_hanging_section_is_failed_and_the_rest_still_run(gc: Modu
     assert sections["hangs"]["status"] == "failed" and "killed after" in sections["hangs"]["error"]
     assert sections["late"] == {"title": "no time left", "status": "skipped", "reason": "out of time"}
     assert "## 1. crashes: failed" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_side_by_side_sections_all_start_and_each_is_still_isolated(gc: ModuleType, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+
+    def crash(ctx: object) -> dict[str, object]:
+        raise ZeroDivisionError("a bug in a section")
+
+    def exits(ctx: object) -> dict[str, object]:
+        code, out = ctx.launch([sys.executable, "-c", "print('last words'); raise SystemExit(3)"])  # type: ignore[attr-defined]
+        return {"status": "ok" if code == 0 else "failed", "error": out}
+
+    def hangs(ctx: object) -> dict[str, object]:
+        code, out = ctx.launch([sys.executable, "-c", "import time; time.sleep(60)"])  # type: ignore[attr-defined]
+        return {"status": "failed" if code is None else "ok", "error": out}
+
+    monkeypatch.setattr(gc, "SECTIONS", [
+        gc.Section("crash", "crashes", {"cpu": 1}, crash),
+        gc.Section("hangs", "hangs", {"cpu": 1}, hangs),  # side by side, each may use the whole budget
+        gc.Section("exits", "exits 3", {"cpu": 1}, exits),
+        gc.Section("unchosen", "not chosen", {"cpu": 1}, exits),
+    ])
+    monkeypatch.setitem(gc.TOTAL_BUDGET, "cpu", 5.0)
+    monkeypatch.setitem(gc.MIN_START, "cpu", 1.0)
+    monkeypatch.setenv("GPU_CHECK_CALLER_DIR", str(tmp_path))
+    with pytest.raises(SystemExit):  # a device run times one section at a time
+        gc.main(["--side-by-side", "out"])
+    start = time.monotonic()
+    assert gc.main(["--cpu", "--side-by-side", "--only", "crash,hangs,exits", "out"]) == 0
+    assert time.monotonic() - start < 30
+    sections = json.loads((tmp_path / "out" / "summary.json").read_text())["sections"]
+    assert list(sections) == ["crash", "hangs", "exits", "unchosen"]  # the order of SECTIONS, not of finishing
+    assert sections["crash"]["status"] == "failed" and "ZeroDivisionError" in sections["crash"]["error"]
+    assert sections["exits"]["status"] == "failed" and "last words" in sections["exits"]["error"]
+    assert sections["exits"]["seconds"] < sections["hangs"]["seconds"]  # it did not wait for the hanging one
+    assert sections["hangs"]["status"] == "failed" and "killed after" in sections["hangs"]["error"]
+    assert sections["hangs"]["budget_s"] == 5.0  # the whole budget, not its own 1 s scaled
+    assert sections["unchosen"] == {"title": "not chosen", "status": "skipped", "reason": "not chosen (--only)"}
+    assert "## 2. hangs: failed" in (tmp_path / "out" / "summary.md").read_text()
 
 
 def test_trace_overlap_measures_the_gathers_time_covered_by_compute(gc: ModuleType) -> None:
