@@ -29,8 +29,13 @@ at the next op. A rank that crashes or hangs is caught the same way: rank 0 writ
 op's name before it runs it and each outcome after, to a progress file the driver reads.
 
 Fallback detection wraps DTensor's dispatch entry and the dispatcher's `propagate` (its `OutputSharding.fallback`
-flag) and clears the dispatch plan cache before every op, so every aten call of the op
-is seen at least once; errors are attributed to the last aten op dispatched.
+flag); errors are attributed to the last aten op dispatched. The dispatch plan cache starts
+empty and keeps no plan that ran replicated: it is cleared after any op that fell back
+(and when the trace is installed and removed), so every plan an op finds in the cache was
+made without a fallback, and an op whose call falls back always reaches `propagate` and is
+seen. Ops reuse each other's plans otherwise (the same aten op on the same layouts and
+shapes plans the same everywhere); making every plan anew for every sample cost most of
+the sweep's time.
 """
 
 from __future__ import annotations
@@ -239,9 +244,19 @@ class _Trace:
         self.last: Any = None
         self.seen: dict[str, None] = {}  # every aten op dispatched, in first-call order
         self.fallback: set[str] = set()
+        self.fell_back = False  # a plan that runs replicated may be in the plan cache (not reset per sample)
 
     def reset(self) -> None:
         self.last, self.seen, self.fallback = None, {}, set()
+
+    def forget_fallbacks(self) -> None:
+        """Empty the dispatch plan cache if a plan that ran replicated may be in it: a later op
+        with the same call then propagates afresh, and its fallback is seen (and counted) again."""
+        from shardwise._tensor import _dispatch
+
+        if self.fell_back:
+            _dispatch._PLANS.clear()
+            self.fell_back = False
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -261,8 +276,12 @@ class _Trace:
             result = orig_propagate(schema, rule)
             if result.fallback:
                 self.fallback.add(str(schema.op))
+                self.fell_back = True
             return result
 
+        # no plan made before (a fallback among them would be found without `propagate`), and
+        # none made here (without strict mode) left for what runs after
+        _dispatch._PLANS.clear()
         setattr(DTensor, "__torch_dispatch__", classmethod(entry))
         setattr(_plan, "propagate", propagate)
         try:
@@ -270,12 +289,20 @@ class _Trace:
         finally:
             setattr(DTensor, "__torch_dispatch__", orig_entry)
             setattr(_plan, "propagate", orig_propagate)
+            _dispatch._PLANS.clear()
+            self.fell_back = False
 
 
 def _run_op(op: Any, key: str, mesh: Any, samples: int, trace: _Trace) -> dict[str, Any]:
-    """One op's outcome on this rank (never raises)."""
+    """One op's outcome on this rank (never raises), under `trace.installed()`."""
+    try:
+        return _run_samples(op, key, mesh, samples, trace)
+    finally:
+        trace.forget_fallbacks()  # no plan that ran replicated left for the next op to find
+
+
+def _run_samples(op: Any, key: str, mesh: Any, samples: int, trace: _Trace) -> dict[str, Any]:
     from shardwise import distribute_tensor
-    from shardwise._tensor import _dispatch
 
     mesh_shape = tuple(mesh.shape)
     tried = 0
@@ -309,7 +336,6 @@ def _run_op(op: Any, key: str, mesh: Any, samples: int, trace: _Trace) -> dict[s
             lambda t: distribute_tensor(t.clone(), mesh, placements_for(tuple(t.shape), mesh_shape), src_data_rank=None),
             sample,
         )
-        _dispatch._PLANS.clear()
         trace.reset()
         try:
             _seed(key, 1)
