@@ -5,7 +5,10 @@ over them). Every step the groups form a quorum, average their gradients and com
 step only if every group succeeded. With `--kill group1:3`, one process of group1 kills
 itself at step 3 after its backward: the other groups go on without it, torchrun restarts
 group1 alone, and group1 heals from a live group and trains on with them. At the end each
-group prints its committed steps and a checksum of its parameters: they agree.
+group prints its committed steps and a checksum of its parameters: they agree. `--hold DIR`
+(for a demonstration on a loaded machine): the other groups wait, before asking for a step,
+until the victim has started (step 1) and until it is back from its restart (3 steps after
+the kill), so that they do not finish before it rejoins.
 """
 
 import argparse
@@ -27,7 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--kill", default="", help="GROUP:STEP: one process of GROUP dies at STEP, once")
-    parser.add_argument("--hold", default="", help="a folder: the others wait at step 6 until the killed group is back")
+    parser.add_argument("--hold", default="", help="a folder: the others wait until the victim started and is back")
     args = parser.parse_args()
     rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     replica, life = os.environ["SHARDWISE_FT_REPLICA_ID"], int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -49,15 +52,18 @@ def main() -> None:
     opt = ft.Optimizer(manager, optimizer)
     victim, _, kill_step = args.kill.partition(":")
     hold = Path(args.hold) if args.hold else None
-    if hold is not None and replica == victim and life > 0:
-        (hold / f"{replica}.{rank}.back").touch()
+    if hold is not None and replica == victim:
+        (hold / f"{replica}.{rank}.life{life}").touch()  # (about to ask for its first quorum)
     committed = 0
     while manager.current_step() < args.steps:
+        if hold is not None and replica != victim:  # (before asking: a group mid-step holds newcomers back)
+            step = manager.current_step()
+            life_awaited = 1 if kill_step and step >= int(kill_step) + 3 else 0 if step >= 1 else None
+            while life_awaited is not None and not all((hold / f"{victim}.{r}.life{life_awaited}").exists()
+                                                       for r in range(size)):
+                time.sleep(0.05)
         opt.zero_grad()  # the step's quorum; a group behind it heals here
         step = manager.current_step()
-        if hold is not None and replica != victim and step >= 6:
-            while not all((hold / f"{victim}.{r}.back").exists() for r in range(size)):
-                time.sleep(0.05)  # (for the demonstration: the others wait for the restarted group)
         g = torch.Generator().manual_seed(1000 * step + int(replica.removeprefix("group")))
         x, y = torch.randn(2 * size, 8, generator=g, dtype=torch.float64), torch.randn(2 * size, 1, generator=g,
                                                                                       dtype=torch.float64)

@@ -50,7 +50,12 @@ def init_default_group(device_type: str, world_size: int) -> None:
     """Start the default group for a mesh of `world_size` ranks (gloo for cpu, nccl for cuda)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=collective_timeout())
+        store = _attempt_store()
+        if store is None:
+            dist.init_process_group(backend, timeout=collective_timeout())
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=collective_timeout())
     elif world_size == 1:
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=collective_timeout())
@@ -63,6 +68,22 @@ def init_default_group(device_type: str, world_size: int) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     atexit.register(_leave)
     _note_uncaught_exceptions()
+
+
+def _attempt_store() -> Any:
+    """Under torchrun's agent store, a store of this attempt's own (None otherwise).
+
+    torchrun's agent hosts one store for its whole run (`--standalone` and c10d rendezvous),
+    restarts included, and torch's env:// rendezvous uses it unprefixed: after a restart
+    (`--max-restarts`) the new ranks read the addresses their dead predecessors wrote there,
+    and gloo fails with "connection refused" (torch 2.13, any script). Each attempt's keys go
+    under `shardwise/attempt_<TORCHELASTIC_RESTART_COUNT>/` instead."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        return None
+    client = dist.TCPStore(os.environ.get("MASTER_ADDR", "localhost"), int(os.environ["MASTER_PORT"]),  # type: ignore[attr-defined]
+                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=collective_timeout())
+    return dist.PrefixStore(f"shardwise/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",  # type: ignore[attr-defined]
+                            client)
 
 
 def note_process() -> None:
