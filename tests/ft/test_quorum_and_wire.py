@@ -48,6 +48,18 @@ def test_a_restarted_group_never_forms_a_quorum_beside_live_members_mid_step() -
     assert q is not None and q.members == ("c",)
 
 
+def test_groups_behind_wait_for_a_live_group_ahead_that_was_left_out_rather_than_go_back_in_time() -> None:
+    # regression: c, alive at step 6 but left out of the last quorum for not asking in time, and
+    # b restarted at step 0 with nobody left to heal from: b formed a quorum of its own at step 0
+    # and trained the job again from its first step beside c
+    steps = {"a": 6, "b": 0, "c": 6}
+    assert decide(RULE, _asking(b=0), ("a", "b"), ("b", "c"), now=99.0, quorum_id="x-7", last_steps=steps) is None
+    q = decide(RULE, _asking(b=0, c=6), ("a", "b"), ("b", "c"), now=99.0, quorum_id="x-7", last_steps=steps)
+    assert q is not None and q.step == 6 and q.heal_from == {"b": "c"}
+    q = decide(RULE, _asking(b=0), ("a", "b"), ("b",), now=99.0, quorum_id="x-7", last_steps=steps)  # c gone too
+    assert q is not None and q.members == ("b",) and q.step == 0
+
+
 def test_the_first_quorum_waits_join_timeout_for_groups_started_together_and_min_replicas() -> None:
     assert decide(RULE, _asking(a=0), (), ("a",), now=10.5, quorum_id="x-5") is None
     assert decide(RULE, _asking(a=0), (), ("a",), now=11.0, quorum_id="x-5") is not None

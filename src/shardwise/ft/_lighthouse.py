@@ -64,6 +64,7 @@ class Lighthouse:
         self._beats: dict[str, tuple[int, float]] = {}  # id -> (heartbeat count, when it last moved)
         self._asking: dict[str, tuple[Ask, float, str]] = {}  # id -> (ask, when read, its answer key)
         self._answered: dict[str, str] = {}  # id -> the answer key last answered
+        self._last_steps: dict[str, int] = {}  # id -> the step of its last ask
         self._group_size: Optional[int] = None
         self._previous: tuple[str, ...] = ()
         self._formed = 0
@@ -106,7 +107,8 @@ class Lighthouse:
             self._read_ask(rid, now)
         fresh = [rid for rid, (_, seen) in self._beats.items() if now - seen < self.heartbeat_timeout]
         asking = {rid: (ask, seen) for rid, (ask, seen, _) in self._asking.items()}
-        quorum = decide(self.rule, asking, self._previous, fresh, now, f"{self.incarnation}-{self._formed}")
+        quorum = decide(self.rule, asking, self._previous, fresh, now, f"{self.incarnation}-{self._formed}",
+                        self._last_steps)
         if quorum is not None:
             self._publish(quorum, fresh)
         return quorum
@@ -154,6 +156,7 @@ class Lighthouse:
             self._answered[rid] = key
             return
         self._asking[rid] = (ask, now, key)
+        self._last_steps[rid] = ask.step
 
     def _publish(self, quorum: Quorum, fresh: list[str]) -> None:
         self._group_size = quorum.group_size

@@ -15,6 +15,11 @@ committed steps, its group size). The rule forms a quorum when
   own beside them. With no fresh previous member (the first quorum, or every member gone),
   the clock starts at the first ask, so groups started together join one quorum.
 
+A quorum never goes back in time: while a live group (fresh heartbeat) that is not asking
+last asked at a step beyond every asker's, it holds the newest state, and the askers
+(restarted, behind) wait for it rather than train on from an older step without it (it
+may have been left out of the last quorum for not asking in time, and be mid-step still).
+
 A group not in the previous quorum joins whenever it is asking when a quorum forms. The
 quorum's step is the highest step asked; a member behind it heals from an up-to-date
 member (spread over them in turn) before the step, and takes part in it.
@@ -26,6 +31,7 @@ member (spread over them in turn) before the step, and takes part in it.
 | A B asking, C fresh but silent | A B after `join_timeout` |
 | A B at 7, restarted C at 0 | A B C, step 7, C heals from A |
 | restarted C asking, A B alive mid-step | nothing yet: C waits for A B |
+| restarted A B at 0 asking, C alive (left out) last at 6 | nothing yet: A B wait for C |
 """
 
 from __future__ import annotations
@@ -108,12 +114,17 @@ class QuorumRule:
 
 
 def decide(rule: QuorumRule, asking: Mapping[str, tuple[Ask, float]], previous: Sequence[str],
-           fresh: Sequence[str], now: float, quorum_id: str) -> Optional[Quorum]:
+           fresh: Sequence[str], now: float, quorum_id: str,
+           last_steps: Optional[Mapping[str, int]] = None) -> Optional[Quorum]:
     """The quorum to form now, or None to wait. `asking`: replica id -> (its pending ask, when
     it arrived), groups of one size (the lighthouse refuses others); `previous`: the last
-    quorum's members; `fresh`: groups whose heartbeat is fresh."""
+    quorum's members; `fresh`: groups whose heartbeat is fresh; `last_steps`: the step of
+    each group's last ask."""
     if len(asking) < rule.min_replicas:
         return None
+    top = max(ask.step for ask, _ in asking.values())
+    if any((last_steps or {}).get(g, -1) > top for g in fresh if g not in asking):
+        return None  # a live group holds newer state than any asker: wait for it
     expected = [m for m in previous if m in set(fresh)]
     if expected:
         waited_on = [t for m, (_, t) in asking.items() if m in expected]
@@ -124,7 +135,7 @@ def decide(rule: QuorumRule, asking: Mapping[str, tuple[Ask, float]], previous: 
     elif now - min(t for _, t in asking.values()) < rule.join_timeout:
         return None
     members = tuple(sorted(asking))
-    step = max(ask.step for ask, _ in asking.values())
+    step = top
     current = [m for m in members if asking[m][0].step == step]
     behind = [m for m in members if asking[m][0].step < step]
     heal = {m: current[i % len(current)] for i, m in enumerate(behind)}
