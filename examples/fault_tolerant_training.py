@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import shardwise as sw
 import shardwise.ft as ft
 from shardwise.fsdp import fully_shard
 
@@ -36,10 +35,6 @@ def main() -> None:
     replica, life = os.environ["SHARDWISE_FT_REPLICA_ID"], int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)  # the same initial model in every group
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
-    mesh = sw.init_device_mesh("cpu", (size,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
 
     def load(state: dict) -> None:
         model.load_state_dict(state["model"])
@@ -48,6 +43,11 @@ def main() -> None:
     manager = ft.Manager(load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
                                                                     "optimizer": optimizer.state_dict()},
                          timeout=timedelta(seconds=5))
+    # an HSDP mesh as torchft programs name it: the replica groups are its outer dim, one slot each
+    mesh = ft.ft_init_device_mesh("cpu", (1, size), ("dp_replicate", "dp_shard"), replicate_dim=0, manager=manager)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     ddp = ft.DistributedDataParallel(manager, model)
     opt = ft.Optimizer(manager, optimizer)
     victim, _, kill_step = args.kill.partition(":")

@@ -112,8 +112,8 @@ def test_ft_surface_is_pinned() -> None:
     import shardwise.ft
 
     # torchft's names where they fit (Manager, DistributedDataParallel, Optimizer); the lighthouse is ours
-    assert list(shardwise.ft.__all__) == ["DistributedDataParallel", "Lighthouse", "Manager", "Optimizer", "Quorum",
-                                          "QuorumRule", "ReplicaSampler"]
+    assert list(shardwise.ft.__all__) == ["DiLoCo", "DistributedDataParallel", "Lighthouse", "LocalSGD", "Manager",
+                                          "Optimizer", "Quorum", "QuorumRule", "ReplicaSampler", "ft_init_device_mesh"]
 
 
 DEBUG = [

@@ -21,6 +21,11 @@ def _manager(address: str, rid: str, **kwargs: Any) -> ft.Manager:
                       timeout=timedelta(seconds=2), **kwargs)
 
 
+def _as_torchrun_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def test_no_lighthouse_at_start_is_a_value_error_naming_the_address() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -34,7 +39,35 @@ def test_no_lighthouse_at_start_is_a_value_error_naming_the_address() -> None:
             ft.Manager(**args)
 
 
-def test_a_group_of_another_shape_is_refused_by_name_and_the_others_go_on() -> None:
+def test_a_replicate_dim_not_outermost_and_other_bad_meshes_or_checkpoints_are_value_errors_naming_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_torchrun_rank(monkeypatch)
+    with Lighthouse(log=io.StringIO()) as lighthouse:
+        manager = _manager(lighthouse.address, "a", world_size=2)
+        for shape, names, dim, says in [
+                ((2, 1), ("dp_shard", "dp_replicate"), 1, r"replicate_dim=1\) \('dp_replicate'\): .* must be the outermost"),
+                ((2, 2), None, 0, "the replicate dim has size 2; .* give 1"),
+                ((1, 4), None, 0, "4 ranks, but this replica group has 2"),
+                ((2,), None, 0, "a replicate dim and at least one dim inside each group")]:
+            with pytest.raises(ValueError, match=says):
+                ft.ft_init_device_mesh("cpu", shape, names, replicate_dim=dim, manager=manager)
+        with pytest.raises(TypeError, match="a shardwise.ft.Manager is expected"):
+            ft.ft_init_device_mesh("cpu", (1, 2), manager=object())  # type: ignore[arg-type]
+        manager.shutdown()
+        for bad in (dict(checkpoint_every=5), dict(checkpoint_dir="/tmp/x"), dict(checkpoint_dir="/x", checkpoint_every=-1)):
+            with pytest.raises(ValueError, match="give both"):
+                _manager(lighthouse.address, "b", **bad)
+
+
+def test_a_manager_of_a_group_of_two_made_outside_any_world_or_launch_is_a_value_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with Lighthouse(log=io.StringIO()) as lighthouse, pytest.raises(ValueError, match="outside torchrun"):
+        _manager(lighthouse.address, "a", world_size=2)
+
+
+def test_a_group_of_another_shape_is_refused_by_name_and_the_others_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_torchrun_rank(monkeypatch)  # (b: rank 0 of a group of 2, before its world)
     with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=0.1), log=io.StringIO()) as lighthouse:
         a = _manager(lighthouse.address, "a")
         a.start_quorum()

@@ -58,7 +58,8 @@ def _wait_for(paths: list[Path], seconds: float = 240) -> None:
 
 
 def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], wait_at: Optional[tuple[int, str]],
-           rank: int, size: int, port: int, everyone: tuple[str, ...]) -> None:
+           rank: int, size: int, port: int, everyone: tuple[str, ...], ckpt: str, start_with: tuple[str, ...],
+           die_giving: bool) -> None:
     import shardwise as sw
     import shardwise.ft as ft
     from shardwise.fsdp import fully_shard
@@ -76,16 +77,30 @@ def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], 
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
 
-    manager = ft.Manager(load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
-                                                                    "optim": opt.state_dict()},
-                         lighthouse_addr=address, replica_id=rid, timeout=timedelta(seconds=3))
+    def state() -> dict[str, Any]:
+        if die_giving and _first(folder / "gave"):  # (only a group sending its state to a healing one calls this)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    if ckpt:  # a checkpoint to resume from needs the optimizer's state before its first step too
+        from shardwise.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        def state() -> dict[str, Any]:
+            model_state, optim_state = get_state_dict(model, opt)
+            return {"model": model_state, "optim": optim_state}
+
+        def load(state: dict[str, Any]) -> None:
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    manager = ft.Manager(load_state_dict=load, state_dict=state, lighthouse_addr=address, replica_id=rid,
+                         timeout=timedelta(seconds=3), checkpoint_dir=ckpt or None, checkpoint_every=2 if ckpt else 0)
     ddp = ft.DistributedDataParallel(manager, model)
     optim = ft.Optimizer(manager, opt)
     sampler = ft.ReplicaSampler(DATA, _global_batch(len(everyone)), manager)
     xs, ys = _data()
     (folder / f"{rid}{rank}.ready{life}").touch()
-    if life == 0:  # groups started together join one quorum
-        _wait_for([folder / f"{g}{r}.ready0" for g in everyone for r in range(size)])
+    if life == 0 or start_with:  # groups started together join one quorum
+        _wait_for([folder / f"{g}{r}.ready{life}" for g in (start_with or everyone) for r in range(size)])
     commits: list[tuple[int, list[str]]] = []
     while manager.current_step() < STEPS:
         optim.zero_grad()
@@ -105,8 +120,18 @@ def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], 
             (folder / f"{rid}{rank}.failed{step}").touch()
     params = {n: p.full_tensor() if isinstance(p, sw.DTensor) else p for n, p in model.state_dict().items()}
     if rank == 0:
-        torch.save({"commits": commits, "params": params, "healed": manager.healed}, folder / f"{rid}.pt")
+        torch.save({"commits": commits, "params": params, "healed": manager.healed, "resumed": manager.resumed_from},
+                   folder / f"{rid}.pt")
     manager.shutdown()
+
+
+def _first(path: Path) -> bool:
+    """Whether this process is the first to get here (it creates `path`)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
 
 
 class _Launch:
@@ -117,11 +142,13 @@ class _Launch:
         self.address, self.folder, self.size, self.everyone = address, folder, size, everyone
         self.ctx = mp.get_context("spawn")
 
-    def start(self, rid: str, life: int, kill_at: Optional[int] = None,
-              wait_at: Optional[tuple[int, str]] = None) -> list[Any]:
+    def start(self, rid: str, life: int, kill_at: Optional[int] = None, wait_at: Optional[tuple[int, str]] = None,
+              ckpt: str = "", start_with: tuple[str, ...] = (), die_giving: bool = False) -> list[Any]:
         port = _free_port()
         procs = [self.ctx.Process(target=_group, args=(rid, self.address, str(self.folder), life, kill_at, wait_at, r,
-                                                        self.size, port, self.everyone)) for r in range(self.size)]
+                                                        self.size, port, self.everyone, ckpt, start_with,
+                                                        die_giving))
+                 for r in range(self.size)]
         for p in procs:
             p.start()
         return procs
@@ -167,6 +194,37 @@ def _replay(commits: list[tuple[int, list[str]]]) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def _exact_replay(commits: list[tuple[int, list[str]]]) -> dict[str, torch.Tensor]:
+    """The committed steps of groups of one rank, replayed in one process op for op: each member's
+    gradient on its part of the step's batch, weighted by the part's size, summed over the
+    members, divided by the samples, then the optimizer step. With at most two members a step
+    (a sum of two is the same in any order) this is bit for bit what the groups computed."""
+    from shardwise.ft import ReplicaSampler
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    groups = len({m for _, members in commits for m in members})
+    sampler = ReplicaSampler(DATA, _global_batch(groups))
+    xs, ys = _data()
+    for step, members in commits:
+        assert len(members) <= 2, "more than two members: the sum's order is gloo's own"
+        flats, sizes = [], []
+        for i in range(len(members)):
+            opt.zero_grad()
+            rows = sampler.indices(step=step, members=len(members), member=i, rank=0, ranks=1)
+            torch.nn.functional.mse_loss(model(xs[rows]), ys[rows]).backward()
+            sizes.append(float(len(rows)))
+            flats.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]) * sizes[-1])
+        flat = flats[0] if len(flats) == 1 else flats[0] + flats[1]
+        flat /= sum(sizes)
+        offset = 0
+        for p in model.parameters():
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        opt.step()
+    return model.state_dict()
+
+
 @pytest.mark.parametrize("size", [1, 2], ids=["groups-of-1", "groups-of-2-fully-sharded"])
 def test_a_killed_group_leaves_the_others_training_and_heals_from_a_live_one_on_restart(size: int,
                                                                                         tmp_path: Path) -> None:
@@ -195,6 +253,72 @@ def test_a_killed_group_leaves_the_others_training_and_heals_from_a_live_one_on_
     for rid in groups:
         for name, p in results[rid]["params"].items():
             assert torch.equal(p, results["a"]["params"][name]), (rid, name)  # groups agree bit for bit
+            assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
+
+
+def test_a_group_killed_while_it_heals_another_leaves_the_heal_to_a_live_one(tmp_path: Path) -> None:
+    # b is killed at step 3 and restarted (a and c wait at step 4 for it); the member it heals
+    # from first dies as it starts to send its state: the heal fails on b and the step on every
+    # member, and b heals from the other live one. The two go on and end as one process would.
+    log = io.StringIO()
+    with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=2.0), heartbeat_timeout=0.5, log=log) as lighthouse:
+        launch = _Launch(lighthouse.address, tmp_path, 1, GROUPS)
+        givers = {rid: launch.start(rid, 0, wait_at=(4, "b0.ready1"), die_giving=True)[0] for rid in ("a", "c")}
+        victim = launch.start("b", 0, kill_at=3)
+        assert launch.wait_failed(victim) == -signal.SIGKILL
+        restarted = launch.start("b", 1)
+        deadline = time.monotonic() + 240
+        while all(p.exitcode is None for p in givers.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead = [rid for rid, p in givers.items() if p.exitcode is not None]
+        assert len(dead) == 1 and givers[dead[0]].exitcode == -signal.SIGKILL, (dead, log.getvalue())
+        live = "c" if dead == ["a"] else "a"
+        for p in (givers[live], *restarted):
+            p.join(240)
+            assert p.exitcode == 0, (p.exitcode, log.getvalue())
+    text = log.getvalue()
+    assert f"b heals from {dead[0]}" in text and f"b heals from {live}" in text, text
+    results = {rid: torch.load(tmp_path / f"{rid}.pt", weights_only=True) for rid in (live, "b")}
+    commits = results[live]["commits"]
+    assert [s for s, _ in commits] == list(range(STEPS)) and commits[-1][1] == sorted([live, "b"]), commits
+    assert results["b"]["healed"] >= 1, results
+    want = _replay(commits)
+    for rid in (live, "b"):
+        for name, p in results[rid]["params"].items():
+            assert torch.equal(p, results[live]["params"][name]), (rid, name)
+            assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
+
+
+def test_every_group_killed_at_once_resumes_from_the_last_checkpoint(tmp_path: Path,
+                                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    # a and b (2 ranks each, fully_shard inside) both lose a process at step 5 after its backward:
+    # no live group is left to heal from. Started again together, every member of their first
+    # quorum is at step 0, and they load the last complete checkpoint: a saves one every 2 steps
+    # in the background, so step 4's, or step 2's if the kill cut step 4's save short.
+    log, ckpt = io.StringIO(), str(tmp_path / "checkpoint")
+    with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=2.0), heartbeat_timeout=0.5, log=log) as lighthouse:
+        launch = _Launch(lighthouse.address, tmp_path, 2, ("a", "b"))
+        lives = [launch.start(rid, 0, kill_at=5, ckpt=ckpt) for rid in ("a", "b")]
+        for procs in lives:
+            assert launch.wait_failed(procs) == -signal.SIGKILL
+        restarted = [p for rid in ("a", "b") for p in launch.start(rid, 1, ckpt=ckpt, start_with=("a", "b"))]
+        for p in restarted:
+            p.join(240)
+            assert p.exitcode == 0, (p.exitcode, log.getvalue())
+    results = {rid: torch.load(tmp_path / f"{rid}.pt", weights_only=True) for rid in ("a", "b")}
+    # whoever asked first resumed; the other resumed in the same quorum or, late (loaded machine),
+    # healed from it a step later
+    first = min(results[rid]["commits"][0][0] for rid in ("a", "b"))
+    resumed = [rid for rid in ("a", "b") if results[rid]["resumed"] is not None]
+    assert first in (2, 4) and resumed and all(results[rid]["resumed"] == first for rid in resumed), results
+    assert all(results[rid]["healed"] == (rid not in resumed) for rid in ("a", "b")), results
+    commits = sorted({c[0]: c for rid in ("a", "b") for c in results[rid]["commits"]}.values())
+    assert [s for s, _ in commits] == list(range(first, STEPS)) and commits[-1][1] == ["a", "b"], commits
+    assert "resumed from the checkpoint of step" in capfd.readouterr().err
+    want = _replay([(s, ["a", "b"]) for s in range(STEPS)])  # what an uninterrupted run computes
+    for rid in ("a", "b"):
+        for name, p in results[rid]["params"].items():
+            assert torch.equal(p, results["a"]["params"][name]), (rid, name)
             assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
 
 
@@ -228,9 +352,10 @@ def test_the_groups_wait_for_a_killed_lighthouse_to_come_back_and_carry_on(tmp_p
     assert [s for s, _ in commits] == list(range(STEPS)) and results["b"]["commits"] == commits, commits
     assert all(members == ["a", "b"] for _, members in commits)  # min_replicas=2: no step without both
     assert Path(log).read_text().count("[shardwise.ft] lighthouse ") == 2  # two incarnations served the run
-    want = _replay(commits)
+    want, exact = _replay(commits), _exact_replay(commits)
     for rid in ("a", "b"):
         for name, p in results[rid]["params"].items():
+            assert torch.equal(p, exact[name]), (rid, name, (p - exact[name]).abs().max().item())
             assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
 
 
@@ -251,7 +376,8 @@ def test_a_hung_group_is_left_out_after_the_timeout_and_heals_when_it_wakes(tmp_
     commits = results["a"]["commits"]
     assert [s for s, _ in commits] == list(range(STEPS)) and commits[4:7] == [(s, ["a"]) for s in (4, 5, 6)], commits
     assert "left {'b': 'did not ask within join_timeout'}" in log.getvalue() and results["b"]["healed"] >= 1
-    want = _replay(commits)
+    want, exact = _replay(commits), _exact_replay(commits)
     for rid in ("a", "b"):
         for name, p in results[rid]["params"].items():
+            assert torch.equal(p, exact[name]), (rid, name, (p - exact[name]).abs().max().item())
             assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)

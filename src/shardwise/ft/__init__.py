@@ -14,12 +14,18 @@ alone, heals from a live peer instead of a checkpoint.
         optimizer.zero_grad()          # the step's quorum (and healing)
         loss_fn(model(batch)).backward()  # gradients averaged over the live groups
         optimizer.step()               # applied only if every group committed
+
+Semi-synchronous on the same machinery: `LocalSGD` and `DiLoCo` meet every `sync_every`
+steps instead of every step.
 """
 
+from ._device_mesh import ft_init_device_mesh
 from ._lighthouse import Lighthouse
 from ._manager import Manager
 from ._quorum import Quorum, QuorumRule
 from ._sampler import ReplicaSampler
+from ._semisync import DiLoCo, LocalSGD
 from ._wrappers import DistributedDataParallel, Optimizer
 
-__all__ = ["DistributedDataParallel", "Lighthouse", "Manager", "Optimizer", "Quorum", "QuorumRule", "ReplicaSampler"]
+__all__ = ["DiLoCo", "DistributedDataParallel", "Lighthouse", "LocalSGD", "Manager", "Optimizer", "Quorum", "QuorumRule",
+           "ReplicaSampler", "ft_init_device_mesh"]

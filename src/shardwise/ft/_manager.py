@@ -21,12 +21,14 @@ received runs code.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,11 @@ class Manager:
     `world_size` within the group (default: the group's own world, else 0 / 1). `timeout`
     bounds every message between groups and the vote: a dead or hung member fails the step
     within it. A quorum of fewer than `min_replica_size` groups does not commit.
+    `checkpoint_dir` / `checkpoint_every`: the fallback for a start with no live group to heal
+    from (see the module docstring); `state_dict()` must then hold the optimizer's state
+    before its first step too (`shardwise.checkpoint.state_dict.get_state_dict` creates it).
+    The checkpoint holds rank 0's RNG state for every rank; healing from a peer gives each
+    rank its own.
     """
 
     def __init__(self, pg: Any = None, load_state_dict: Optional[Callable[[Any], None]] = None,
@@ -60,13 +67,17 @@ class Manager:
                  connect_timeout: timedelta = timedelta(seconds=60),
                  heartbeat_interval: timedelta = timedelta(milliseconds=100), rank: Optional[int] = None,
                  world_size: Optional[int] = None, lighthouse_addr: Optional[str] = None,
-                 replica_id: Optional[str] = None) -> None:
+                 replica_id: Optional[str] = None, checkpoint_dir: Union[str, os.PathLike[str], None] = None,
+                 checkpoint_every: int = 0) -> None:
         if pg is not None:
             raise ValueError("Manager(pg=...): shardwise makes the group across replica groups itself, anew for "
                              "each membership; pass pg=None")
         if (load_state_dict is None) != (state_dict is None):
             raise ValueError("Manager: give both load_state_dict and state_dict (what a healing group receives), "
                              "or neither")
+        if checkpoint_every < 0 or (checkpoint_every > 0) != (checkpoint_dir is not None):
+            raise ValueError(f"Manager(checkpoint_dir={checkpoint_dir!r}, checkpoint_every={checkpoint_every}): give "
+                             "both (a directory every rank shares, and a number of steps > 0) or neither")
         if min_replica_size < 1:
             raise ValueError(f"Manager(min_replica_size={min_replica_size}): at least 1")
         address = lighthouse_addr or os.environ.get("SHARDWISE_FT_LIGHTHOUSE")
@@ -82,7 +93,10 @@ class Manager:
             dist.get_world_size() if in_world else int(os.environ.get("WORLD_SIZE", 1)))
         self.replica_id, self.timeout, self.quorum_timeout = rid, timeout, quorum_timeout
         self.min_replica_size = min_replica_size
-        self._user_state, self._user_load = state_dict, load_state_dict
+        # what a healing group receives, by key (torchft's `register_state_dict_fn`)
+        self._user: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        if load_state_dict is not None and state_dict is not None:
+            self.register_state_dict_fn("default", load_state_dict, state_dict)
         self._nonce = self._group_nonce(in_world)
         self._client = QuorumClient(address, rid, self.rank, self.world_size, connect_timeout, heartbeat_interval)
         self._asked = 0
@@ -93,20 +107,34 @@ class Manager:
         self._rebuild = True
         self._error: Optional[BaseException] = None
         self.healed = 0  # times this group received a live member's state
+        self.resumed_from: Optional[int] = None  # the step of the checkpoint this group started from, if it did
+        self._checkpoint = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self._checkpoint_every, self._saved_step = checkpoint_every, 0
+        self._saving: Any = None  # the async save under way (a SaveFuture)
         self.samples = 1.0  # this group's weight in the next reduction (samples it contributed)
 
     def _group_nonce(self, in_world: bool) -> int:
         """A random number every rank of the group shares (rank 0's): its asks are named by it,
-        so a restarted group never reuses an answered name."""
+        so a restarted group never reuses an answered name. Made before the group's world (as
+        torchft's programs make it, before `ft_init_device_mesh`), it is drawn from torchrun's
+        run id and restart count, which every rank of one launch attempt shares."""
         mine = secrets.randbits(62)
-        if not in_world or self.world_size == 1:
+        if self.world_size == 1:
             return mine
-        return _comm.all_gather_ints([mine], dist.group.WORLD, self.world_size)[0][0]
+        if in_world:
+            return _comm.all_gather_ints([mine], dist.group.WORLD, self.world_size)[0][0]
+        run, life = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if not run or life is None:
+            raise ValueError(f"Manager(world_size={self.world_size}) made before the group's process group, outside "
+                             "torchrun: make it after init_device_mesh / init_process_group, or launch with "
+                             "`shardwise run --ft` (its ranks share torchrun's run id)")
+        return int.from_bytes(hashlib.sha256(f"{run}/{life}".encode()).digest()[:7], "big")
 
     # -- the step ---------------------------------------------------------------------------
     def start_quorum(self) -> None:
         """Join the next step's quorum; heal first if this group is behind it."""
         self._error = None
+        self._save_if_due()
         self._asked += 1
         try:
             quorum = self._client.quorum(f"{self._nonce:x}.{self._asked}", self._step, self.quorum_timeout)
@@ -124,6 +152,8 @@ class Manager:
         self._quorum, self._rebuild = quorum, False
         if self._group is None:
             return
+        if self._step == 0 and quorum.step == 0 and self._checkpoint is not None:
+            self._resume(quorum)
         try:
             self._heal(quorum)
         except _comm.ReplicaError as exc:
@@ -200,7 +230,7 @@ class Manager:
 
     # -- state ------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        user = self._user_state() if self._user_state is not None else {}
+        user = {key: save() for key, (_, save) in sorted(self._user.items())}
         return {"user": user, "step": self._step, "batches": self._batches, "rng": torch.get_rng_state()}
 
     def _send(self, dst: int) -> None:
@@ -227,12 +257,27 @@ class Manager:
                                      ValueError(f"the header lists {len(buffers)} tensors, the sender {count}"))
         _comm.replica_recv([c for t in buffers for c in _chunks(t)], src, self._group, self.timeout,
                            "a live group's tensors")
-        if self._user_load is not None:
-            self._user_load(state["user"])
+        if not isinstance(state.get("user"), dict) or set(state["user"]) != set(self._user):
+            keys = sorted(state["user"]) if isinstance(state.get("user"), dict) else state.get("user")
+            raise _comm.ReplicaError("receiving a live group's state", ValueError(
+                f"it holds the parts {keys}, this group registers {sorted(self._user)}: every group must "
+                "register the same state_dict keys"))
+        for key, (load, _) in sorted(self._user.items()):
+            load(state["user"][key])
         self._step, self._batches = int(state["step"]), int(state["batches"])
         torch.set_rng_state(state["rng"])
 
     # -- torchft's questions ----------------------------------------------------------------
+    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[Any], None],
+                               state_dict: Callable[[], Any]) -> None:
+        """Add `state_dict()` under `key` to what a healing group receives; it gets it back through
+        `load_state_dict(state)` (the constructor's pair is key "default"; wrappers such as
+        `DiLoCo` add their own). Every group must register the same keys."""
+        if key in self._user:
+            raise ValueError(f"Manager.register_state_dict_fn({key!r}): {key!r} is registered already; use a key "
+                             "of its own for each part of the state")
+        self._user[key] = (load_state_dict, state_dict)
+
     def report_error(self, error: BaseException) -> None:
         """Record a failure of this step: this rank will vote no."""
         if self._error is None:
@@ -262,7 +307,56 @@ class Manager:
     def quorum(self) -> Optional[Quorum]:
         return self._quorum
 
+    # -- the checkpoint, for a start with no live peer ------------------------------------------
+    def _save_if_due(self) -> None:
+        """Every `checkpoint_every` committed steps, at the step boundary (after the optimizer step),
+        the first member of the last quorum saves the state in the background, by the one save
+        transaction of `shardwise.checkpoint` (the last complete checkpoint stays until this one
+        is whole). A failed save is logged; training goes on."""
+        quorum, step = self._quorum, self._step
+        if (self._checkpoint is None or step == 0 or step % self._checkpoint_every or step == self._saved_step
+                or quorum is None or quorum.members[:1] != (self.replica_id,)):
+            return
+        from .. import checkpoint
+
+        self._saved_step = step
+        self._wait_for_save()
+        self._saving = checkpoint.async_save(self._state(), checkpoint_id=self._checkpoint)
+        self._say(f"saving step {step} to {self._checkpoint}")
+
+    def _wait_for_save(self) -> None:
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            try:
+                saving.result()
+            except Exception as exc:  # noqa: BLE001 - a fallback copy: the last complete checkpoint stays
+                self._say(f"a checkpoint save failed ({type(exc).__name__}: {exc}); the last complete one stays")
+
+    def _resume(self, quorum: Quorum) -> None:
+        """Start from the last complete checkpoint: every member of this quorum is at step 0, so no
+        live group is ahead to heal from, and each of them loads the same checkpoint."""
+        if self._checkpoint is None or not (self._checkpoint / "metadata.json").exists():
+            return
+        from .. import checkpoint
+
+        state = self._state()
+        try:
+            checkpoint.load(state, checkpoint_id=self._checkpoint)
+        except ValueError as exc:
+            raise ValueError(f"replica group {self.replica_id}: cannot resume from {self._checkpoint}: {exc}\n"
+                             "The state_dict= given to Manager must hold every tensor the checkpoint does, "
+                             "before the first step too: build it with shardwise.checkpoint.state_dict."
+                             "get_state_dict(model, optimizer), which creates the optimizer's state") from None
+        for key, (load, _) in sorted(self._user.items()):
+            load(state["user"][key])
+        self._step, self._batches = int(state["step"]), int(state["batches"])
+        self._saved_step = self.resumed_from = self._step
+        torch.set_rng_state(state["rng"])
+        self._say(f"no live group ahead in quorum {quorum.quorum_id}: resumed from the checkpoint of step "
+                  f"{self._step} in {self._checkpoint}")
+
     def shutdown(self) -> None:
+        self._wait_for_save()
         self._client.close()
         self._group = None
 
