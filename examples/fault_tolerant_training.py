@@ -72,7 +72,7 @@ def main() -> None:
         if replica == victim and life == 0 and step >= int(kill_step) and rank == size - 1:
             os.kill(os.getpid(), signal.SIGKILL)
         committed += opt.step()
-    total = sum(float(p.full_tensor().double().sum()) for p in model.parameters())
+    total = sum(float(p.detach().full_tensor().double().sum()) for p in model.parameters())
     if rank == 0:
         print(f"{replica}: {manager.current_step()} steps committed ({committed} in this life, healed "
               f"{manager.healed} time(s)); parameter checksum {total:.15e}", flush=True)

@@ -67,3 +67,7 @@ def test_shardwise_run_ft_restarts_only_the_failed_group_which_heals_from_the_li
     checksums = {line.rsplit(" ", 1)[1] for line in found.values()}
     assert len(checksums) == 1, found  # the same parameters, bit for bit
     assert "left {'group1'" in done.stderr and "group1 heals from group0" in done.stderr, done.stderr[-3000:]
+    # each group reports its steps and goodput
+    for rid, steps, healed in (("group0", "10", "0"), ("group1", r"\d", "1")):
+        assert re.search(rf"\[shardwise.ft {rid} rank 0\] {steps} steps committed and \d+ discarded in [\d.]+ s: "
+                         rf"goodput [\d.]+ steps/s; healed {healed} time\(s\)", done.stderr), done.stderr[-3000:]

@@ -25,6 +25,7 @@ import hashlib
 import os
 import secrets
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -107,6 +108,8 @@ class Manager:
         self._rebuild = True
         self._error: Optional[BaseException] = None
         self.healed = 0  # times this group received a live member's state
+        self.committed = self.discarded = 0  # this process's steps that committed / that no member applied
+        self._since = time.monotonic()
         self.resumed_from: Optional[int] = None  # the step of the checkpoint this group started from, if it did
         self._checkpoint = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self._checkpoint_every, self._saved_step = checkpoint_every, 0
@@ -181,10 +184,12 @@ class Manager:
         if committed:
             self._step += 1
             self._batches += len(quorum.members)
+            self.committed += 1
         else:
             self._rebuild = True
             why = (repr(self._error) if self._error is not None else f"{len(quorum.members)} groups, fewer than "
                    f"min_replica_size={self.min_replica_size}" if not ok else "another member failed or timed out")
+            self.discarded += 1
             self._say(f"step {self._step} of quorum {quorum.quorum_id} discarded: {why}")
         return committed
 
@@ -355,8 +360,19 @@ class Manager:
         self._say(f"no live group ahead in quorum {quorum.quorum_id}: resumed from the checkpoint of step "
                   f"{self._step} in {self._checkpoint}")
 
+    def goodput(self) -> float:
+        """Committed steps per wall-clock second since this manager was made."""
+        return self.committed / max(time.monotonic() - self._since, 1e-9)
+
     def shutdown(self) -> None:
+        """Wait for a checkpoint save under way, stop the heartbeat, and report (group rank 0) the
+        steps committed and discarded and the goodput."""
         self._wait_for_save()
+        if self.rank == 0:
+            self._say(f"{self.committed} steps committed and {self.discarded} discarded in "
+                      f"{time.monotonic() - self._since:.1f} s: goodput {self.goodput():.2f} steps/s; healed "
+                      f"{self.healed} time(s)" + (f", resumed from step {self.resumed_from}"
+                                                  if self.resumed_from is not None else ""))
         self._client.close()
         self._group = None
 
