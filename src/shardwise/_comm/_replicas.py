@@ -39,15 +39,27 @@ def _waited(work: dist.Work, timeout: timedelta, what: str) -> None:
 
 def replica_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, size: int, timeout: timedelta,
                        label: str) -> None:
-    """Sum `flat` (contiguous) in place over the `size` replica ranks of `group`."""
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+    """Sum `flat` (contiguous) in place over the `size` replica ranks of `group`, in replica-rank
+    order for every element: `((x0 + x1) + x2) + ...`, the same bits on every rank and in a
+    one-process replay (a ring all_reduce adds in an order that moves with the chunk). Each
+    rank adds up one chunk of everyone's (an all_to_all) and the sums are gathered: the bytes
+    of a ring all_reduce, in two messages."""
     what = f"all_reduce of {label} ({flat.numel()} x {flat.dtype}) over {size} replica groups"
-    try:
-        work = group.allreduce([flat], opts)
-    except RuntimeError as exc:
-        raise ReplicaError(what, exc) from exc
-    _waited(work, timeout, what)
+    if size > 1:
+        chunk = -(-flat.numel() // size)
+        mine = torch.zeros(size * chunk, dtype=flat.dtype)
+        mine[:flat.numel()] = flat.reshape(-1)
+        theirs = torch.empty_like(mine)  # row j: replica rank j's piece of this rank's chunk
+        try:
+            _waited(group.alltoall_base(theirs, mine, [], []), timeout, what)
+            rows = theirs.view(size, chunk)
+            total = rows[0].clone()
+            for j in range(1, size):
+                total += rows[j]
+            _waited(group._allgather_base(mine, total), timeout, what)
+        except RuntimeError as exc:
+            raise exc if isinstance(exc, ReplicaError) else ReplicaError(what, exc) from exc
+        flat.copy_(mine[:flat.numel()].view_as(flat))
     notify(CommRecord("all_reduce", size, 2 * (size - 1) * flat.numel() * flat.element_size() // max(size, 1)))
 
 
