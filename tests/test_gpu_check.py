@@ -75,20 +75,22 @@ def test_cpu_rehearsal_writes_every_section_with_numbers(tmp_path: Path) -> None
     assert "| layer_norm |" in text and "| shardwise compiled |" in text
 
 
+def crash(ctx: object) -> dict[str, object]:
+    raise ZeroDivisionError("a bug in a section")
+
+
+def exits(ctx: object) -> dict[str, object]:
+    code, out = ctx.launch([sys.executable, "-c", "print('last words'); raise SystemExit(3)"])  # type: ignore[attr-defined]
+    return {"status": "ok" if code == 0 else "failed", "error": out}
+
+
+def hangs(ctx: object) -> dict[str, object]:
+    code, out = ctx.launch([sys.executable, "-c", "import time; time.sleep(60)"])  # type: ignore[attr-defined]
+    return {"status": "failed" if code is None else "ok", "error": out}
+
+
 def test_a_crashing_or_hanging_section_is_failed_and_the_rest_still_run(gc: ModuleType, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-
-    def crash(ctx: object) -> dict[str, object]:
-        raise ZeroDivisionError("a bug in a section")
-
-    def exits(ctx: object) -> dict[str, object]:
-        code, out = ctx.launch([sys.executable, "-c", "print('last words'); raise SystemExit(3)"])  # type: ignore[attr-defined]
-        return {"status": "ok" if code == 0 else "failed", "error": out}
-
-    def hangs(ctx: object) -> dict[str, object]:
-        code, out = ctx.launch([sys.executable, "-c", "import time; time.sleep(60)"])  # type: ignore[attr-defined]
-        return {"status": "failed" if code is None else "ok", "error": out}
-
     monkeypatch.setattr(gc, "SECTIONS", [
         gc.Section("crash", "crashes", {"cpu": 5}, crash),
         gc.Section("exits", "exits 3", {"cpu": 5}, exits),
@@ -111,18 +113,6 @@ def test_a_crashing_or_hanging_section_is_failed_and_the_rest_still_run(gc: Modu
 
 def test_side_by_side_sections_all_start_and_each_is_still_isolated(gc: ModuleType, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-
-    def crash(ctx: object) -> dict[str, object]:
-        raise ZeroDivisionError("a bug in a section")
-
-    def exits(ctx: object) -> dict[str, object]:
-        code, out = ctx.launch([sys.executable, "-c", "print('last words'); raise SystemExit(3)"])  # type: ignore[attr-defined]
-        return {"status": "ok" if code == 0 else "failed", "error": out}
-
-    def hangs(ctx: object) -> dict[str, object]:
-        code, out = ctx.launch([sys.executable, "-c", "import time; time.sleep(60)"])  # type: ignore[attr-defined]
-        return {"status": "failed" if code is None else "ok", "error": out}
-
     monkeypatch.setattr(gc, "SECTIONS", [
         gc.Section("crash", "crashes", {"cpu": 1}, crash),
         gc.Section("hangs", "hangs", {"cpu": 1}, hangs),  # side by side, each may use the whole budget
