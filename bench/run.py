@@ -1,6 +1,6 @@
 """The one entry point of the benchmark suite: run the benchmarks, print their tables, write one JSON file.
 
-`python -m bench [--quick] [--only overhead,redistribute,overlap,steps,memory,fsdp,checkpoint,hf_load,cross_mesh,dry_run,planner_quality,context_parallel,long_run,optimizer,pipeline_steps,moe] [--repeats N] [--out FILE]`
+`python -m bench [--quick] [--only overhead,redistribute,overlap,steps,memory,fsdp,checkpoint,hf_load,cross_mesh,dry_run,planner_quality,context_parallel,long_run,optimizer,pipeline_steps,moe,ft] [--repeats N] [--out FILE]`
 (or `python bench/run.py ...`, or `make bench`). Every benchmark runs shardwise and
 torch.distributed.tensor side by side in the same gloo worker processes (started by
 `shardwise.testing.run_distributed`), interleaved and repeated. Each table is printed with
@@ -36,7 +36,7 @@ __all__ = ["BENCHMARKS", "NAMES", "benchmarks", "main"]
 # In the order they run. Named here, imported by `benchmarks()`: an argument error is reported
 # before anything imports torch (seconds on a loaded machine).
 NAMES = ("overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint", "hf_load", "cross_mesh",
-         "dry_run", "planner_quality", "context_parallel", "long_run", "optimizer", "pipeline_steps", "moe")
+         "dry_run", "planner_quality", "context_parallel", "long_run", "optimizer", "pipeline_steps", "moe", "ft")
 
 
 def benchmarks() -> dict[str, Callable[[Settings], list[Table]]]:

@@ -223,3 +223,10 @@ def test_the_moe_rows_dispatch_tokens_and_equal_one_process(quick_run: Any) -> N
     assert set(replicated["collective_counts"]) == {"all_reduce"}, replicated  # one per MoE layer
     assert set(split["collective_counts"]) == {"all_to_all", "all_reduce"}, split  # routes; the dense gradients
     assert split["dropped"].startswith("0 of ") and not capacity["dropped"].startswith("0 of "), (split, capacity)
+
+
+def test_the_ft_rows_kill_groups_and_lose_no_committed_step(quick_run: Any) -> None:
+    rows = {r["lib"]: r for r in quick_run[1]["benchmarks"]["ft"]["rows"]}
+    ours = rows["shardwise"]  # (a torchft row too, when a scratch env with torchft 0.2 is on this machine)
+    assert ours["check"] == "ok" and ours["failures"] >= 1 and ours["committed"] == 40, ours
+    assert isinstance(ours["goodput"], float) and isinstance(ours["rec_med"], float), ours
