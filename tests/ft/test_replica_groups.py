@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import signal
 import time
 from datetime import timedelta
@@ -59,7 +60,7 @@ def _wait_for(paths: list[Path], seconds: float = 240) -> None:
 
 def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], wait_at: Optional[tuple[int, str]],
            rank: int, size: int, port: int, everyone: tuple[str, ...], ckpt: str, start_with: tuple[str, ...],
-           die_giving: bool) -> None:
+           giving: str) -> None:
     import shardwise as sw
     import shardwise.ft as ft
     from shardwise.fsdp import fully_shard
@@ -72,13 +73,22 @@ def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], 
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=sw.init_device_mesh("cpu", (size,)))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    if giving == "pickle":  # the first state this process sends is a code-running pickle, not the wire format
+        import shardwise.ft._manager as sent
+
+        honest = sent.pack
+
+        def pack(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+            return (pickle.dumps(_Pwn(str(folder / "pwned"))), []) if _first(folder / "gave") else honest(state)
+
+        sent.pack = pack  # type: ignore[assignment]
 
     def load(state: dict[str, Any]) -> None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
 
     def state() -> dict[str, Any]:
-        if die_giving and _first(folder / "gave"):  # (only a group sending its state to a healing one calls this)
+        if giving == "die" and _first(folder / "gave"):  # (only a group sending its state to a healing one calls this)
             os.kill(os.getpid(), signal.SIGKILL)
         return {"model": model.state_dict(), "optim": opt.state_dict()}
 
@@ -125,6 +135,16 @@ def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], 
     manager.shutdown()
 
 
+class _Pwn:
+    """Unpickled, it would run a command (create a file)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (f"touch {self.path}",))
+
+
 def _first(path: Path) -> bool:
     """Whether this process is the first to get here (it creates `path`)."""
     try:
@@ -143,11 +163,11 @@ class _Launch:
         self.ctx = mp.get_context("spawn")
 
     def start(self, rid: str, life: int, kill_at: Optional[int] = None, wait_at: Optional[tuple[int, str]] = None,
-              ckpt: str = "", start_with: tuple[str, ...] = (), die_giving: bool = False) -> list[Any]:
+              ckpt: str = "", start_with: tuple[str, ...] = (), giving: str = "") -> list[Any]:
         port = _free_port()
         procs = [self.ctx.Process(target=_group, args=(rid, self.address, str(self.folder), life, kill_at, wait_at, r,
                                                         self.size, port, self.everyone, ckpt, start_with,
-                                                        die_giving))
+                                                        giving))
                  for r in range(self.size)]
         for p in procs:
             p.start()
@@ -271,7 +291,7 @@ def test_a_group_killed_while_it_heals_another_leaves_the_heal_to_a_live_one(tmp
     log = io.StringIO()
     with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=2.0), heartbeat_timeout=0.5, log=log) as lighthouse:
         launch = _Launch(lighthouse.address, tmp_path, 1, GROUPS)
-        givers = {rid: launch.start(rid, 0, wait_at=(4, "b0.ready1"), die_giving=True)[0] for rid in ("a", "c")}
+        givers = {rid: launch.start(rid, 0, wait_at=(4, "b0.ready1"), giving="die")[0] for rid in ("a", "c")}
         victim = launch.start("b", 0, kill_at=3)
         assert launch.wait_failed(victim) == -signal.SIGKILL
         restarted = launch.start("b", 1)
@@ -295,6 +315,31 @@ def test_a_group_killed_while_it_heals_another_leaves_the_heal_to_a_live_one(tmp
         for name, p in results[rid]["params"].items():
             assert torch.equal(p, exact[name]), (rid, name, (p - exact[name]).abs().max().item())
             assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
+
+
+def test_a_pickle_sent_to_a_healing_group_runs_nothing_and_is_refused_and_the_heal_is_tried_again(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # a's first state sent to the restarted b is a pickle that would create a file: b refuses it
+    # (the header is not JSON), the step commits nowhere, and b heals again from a's next send
+    log = io.StringIO()
+    with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=2.0), heartbeat_timeout=0.5, log=log) as lighthouse:
+        launch = _Launch(lighthouse.address, tmp_path, 1, ("a", "b"))
+        giver = launch.start("a", 0, wait_at=(6, "b0.ready1"), giving="pickle")
+        victim = launch.start("b", 0, kill_at=3)
+        assert launch.wait_failed(victim) == -signal.SIGKILL
+        for p in (*giver, *launch.start("b", 1)):
+            p.join(240)
+            assert p.exitcode == 0, (p.exitcode, log.getvalue())
+    assert (tmp_path / "gave").exists() and not (tmp_path / "pwned").exists()  # sent, and nothing ran
+    assert log.getvalue().count("b heals from a") >= 2, log.getvalue()
+    assert "a state header that is not UTF-8 JSON" in capfd.readouterr().err
+    results = {rid: torch.load(tmp_path / f"{rid}.pt", weights_only=True) for rid in ("a", "b")}
+    commits = results["a"]["commits"]
+    assert [s for s, _ in commits] == list(range(STEPS)) and commits[-1][1] == ["a", "b"], commits
+    exact = _exact_replay(commits)
+    for rid in ("a", "b"):
+        for name, p in results[rid]["params"].items():
+            assert torch.equal(p, exact[name]), (rid, name)
 
 
 def test_every_group_killed_at_once_resumes_from_the_last_checkpoint(tmp_path: Path,
