@@ -48,7 +48,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint",
                                          "collective_bookkeeping", "hf_load", "cross_mesh", "dry_run", "planner", "planner_quality",
                                          "planner_quality_llama", "context_parallel", "long_run",
-                                         "optimizer", "pipeline_steps", "moe"}
+                                         "optimizer", "pipeline_steps", "moe", "ft"}
 
 
 def test_fsdp_rows_train_alike_with_one_collective_per_unit(quick_run: Any) -> None:
