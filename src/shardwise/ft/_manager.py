@@ -241,8 +241,8 @@ class Manager:
     def _send(self, dst: int) -> None:
         header, tensors = pack(self._state())
         sizes = torch.tensor([len(header), len(tensors)], dtype=torch.int64)
-        pieces = [sizes, torch.frombuffer(bytearray(header), dtype=torch.uint8)]
-        pieces += [c for t in tensors for c in _chunks(t)]
+        messages, _ = _messages(tensors, sending=True)
+        pieces = [sizes, torch.frombuffer(bytearray(header), dtype=torch.uint8), *messages]
         _comm.replica_send(pieces, dst, self._group, self.timeout, "the state of a live group")
 
     def _receive(self, src: int) -> None:
@@ -260,8 +260,9 @@ class Manager:
         if len(buffers) != count:
             raise _comm.ReplicaError("receiving a live group's state",
                                      ValueError(f"the header lists {len(buffers)} tensors, the sender {count}"))
-        _comm.replica_recv([c for t in buffers for c in _chunks(t)], src, self._group, self.timeout,
-                           "a live group's tensors")
+        messages, unbundle = _messages(buffers, sending=False)
+        _comm.replica_recv(messages, src, self._group, self.timeout, "a live group's tensors")
+        unbundle()
         if not isinstance(state.get("user"), dict) or set(state["user"]) != set(self._user):
             keys = sorted(state["user"]) if isinstance(state.get("user"), dict) else state.get("user")
             raise _comm.ReplicaError("receiving a live group's state", ValueError(
@@ -375,6 +376,47 @@ class Manager:
                                                   if self.resumed_from is not None else ""))
         self._client.close()
         self._group = None
+
+
+def _messages(tensors: list[torch.Tensor], sending: bool) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """The messages that carry `tensors` (contiguous) between two groups, and, receiving, what
+    puts the bundles' bytes into the small tensors once they arrived. A tensor of CHUNK_BYTES or
+    more travels in chunks (views of it, no copy); the small ones (an optimizer's step counts,
+    biases, the RNG state) travel together, their bytes packed into bundles of at most
+    CHUNK_BYTES, so a state of many small tensors is a few messages, not one round trip each.
+    Both sides make the same plan from the tensors' sizes."""
+    messages: list[torch.Tensor] = []
+    bundles: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+    small: list[torch.Tensor] = []  # the next bundle's tensors, as bytes
+
+    def close() -> None:
+        if small:
+            bundle = torch.cat(small) if sending else torch.empty(sum(r.numel() for r in small), dtype=torch.uint8)
+            messages.append(bundle)
+            bundles.append((bundle, list(small)))
+            small.clear()
+
+    pending = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= CHUNK_BYTES:
+            messages += _chunks(t)
+            continue
+        if pending + nbytes > CHUNK_BYTES:
+            close()
+            pending = 0
+        small.append(t.reshape(-1).view(torch.uint8))
+        pending += nbytes
+    close()
+
+    def unbundle() -> None:
+        for bundle, raw in bundles:
+            offset = 0
+            for r in raw:
+                r.copy_(bundle[offset:offset + r.numel()])
+                offset += r.numel()
+
+    return messages, unbundle
 
 
 def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
