@@ -46,9 +46,9 @@ def replica_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, size: int, 
     of a ring all_reduce, in two messages."""
     what = f"all_reduce of {label} ({flat.numel()} x {flat.dtype}) over {size} replica groups"
     if size > 1:
-        chunk = -(-flat.numel() // size)
-        mine = torch.zeros(size * chunk, dtype=flat.dtype)
-        mine[:flat.numel()] = flat.reshape(-1)
+        n, chunk = flat.numel(), -(-flat.numel() // size)
+        # `flat` itself when it splits evenly (the sums are gathered back into it), else a padded copy
+        mine = flat.view(-1) if n == size * chunk else torch.cat([flat.reshape(-1), flat.new_zeros(size * chunk - n)])
         theirs = torch.empty_like(mine)  # row j: replica rank j's piece of this rank's chunk
         try:
             _waited(group.alltoall_base(theirs, mine, [], []), timeout, what)
@@ -59,7 +59,8 @@ def replica_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup, size: int, 
             _waited(group._allgather_base(mine, total), timeout, what)
         except RuntimeError as exc:
             raise exc if isinstance(exc, ReplicaError) else ReplicaError(what, exc) from exc
-        flat.copy_(mine[:flat.numel()].view_as(flat))
+        if mine.data_ptr() != flat.data_ptr():
+            flat.copy_(mine[:n].view_as(flat))
     notify(CommRecord("all_reduce", size, 2 * (size - 1) * flat.numel() * flat.element_size() // max(size, 1)))
 
 
