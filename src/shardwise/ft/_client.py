@@ -47,10 +47,10 @@ class QuorumClient:
         self.connect_timeout = connect_timeout.total_seconds()
         self.leader = group_rank == 0
         self._last_ask: Optional[Ask] = None
+        self._stop = threading.Event()
         self.store = self._connect(first=True)
         if self.leader:
             self._register()
-        self._stop = threading.Event()
         self._beat: Optional[threading.Thread] = None
         if self.leader:
             self._beat = threading.Thread(target=self._beating, args=(heartbeat_interval.total_seconds(),),
@@ -66,6 +66,8 @@ class QuorumClient:
                 return dist.TCPStore(self.host, self.port, is_master=False,  # type: ignore[attr-defined]
                                      wait_for_workers=False, timeout=timedelta(seconds=left))
             except (RuntimeError, OSError) as exc:
+                if self._stop.is_set():
+                    raise ValueError(f"replica group {self.replica_id}: closed while reconnecting") from None
                 if time.monotonic() > deadline:
                     what = "reach" if first else "reach again"
                     raise ValueError(f"replica group {self.replica_id}: could not {what} the lighthouse at "
@@ -106,7 +108,9 @@ class QuorumClient:
     def close(self) -> None:
         self._stop.set()
         if self._beat is not None:
-            self._beat.join(timeout=5)
+            # a store call in flight ends within its own timeout (at most 10 s, `_connect`); a thread
+            # still inside one when the interpreter exits would abort the process
+            self._beat.join(timeout=15)
 
     # -- quorum and votes ------------------------------------------------------------------
     def quorum(self, token: str, step: int, timeout: timedelta) -> Quorum:
@@ -135,7 +139,10 @@ class QuorumClient:
         keys = [f"vote/{quorum.quorum_id}/{m}/{r}" for m in quorum.members for r in range(quorum.group_size)]
         outcome = "0"
         if self._arrived(keys, time.monotonic() + timeout.total_seconds()):
-            outcome = "1" if all(v == b"1" for v in self._retrying(lambda s: s.multi_get(keys))) else "0"
+            try:
+                outcome = "1" if all(v == b"1" for v in self._retrying(lambda s: s.multi_get(keys))) else "0"
+            except dist.DistStoreError:  # the votes went with a lighthouse that restarted after they were seen
+                outcome = "0"
         decision = f"decision/{quorum.quorum_id}"
         return bool(self._retrying(lambda s: s.compare_set(decision, "", outcome)) == b"1")
 
