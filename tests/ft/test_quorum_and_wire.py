@@ -1,14 +1,21 @@
-"""The quorum rule and the healing wire format, without processes: each row of their docstrings' tables."""
+"""The quorum rule and the healing wire format, without processes: each row of their docstrings' tables; a
+restarted lighthouse in this process."""
 
 from __future__ import annotations
 
+import gc
+import io
 import json
 import pickle
+import threading
+from datetime import timedelta
+from typing import Optional
 
 import pytest
 import torch
 
-from shardwise.ft import QuorumRule
+from shardwise.ft import Lighthouse, QuorumRule
+from shardwise.ft._client import QuorumClient
 from shardwise.ft._quorum import Ask, Quorum, decide
 from shardwise.ft._wire import pack, unpack
 
@@ -58,6 +65,38 @@ def test_groups_behind_wait_for_a_live_group_ahead_that_was_left_out_rather_than
     assert q is not None and q.step == 6 and q.heal_from == {"b": "c"}
     q = decide(RULE, _asking(b=0), ("a", "b"), ("b",), now=99.0, quorum_id="x-7", last_steps=steps)  # c gone too
     assert q is not None and q.members == ("b",) and q.step == 0
+
+
+def test_a_restarted_lighthouse_learns_a_live_groups_step_before_a_restarted_group_forms_a_quorum_alone() -> None:
+    # regression (bench ft): the lighthouse restarted while a was mid-step at 7 and b, just restarted,
+    # asked at step 0; the new incarnation, knowing nothing of a, formed a quorum of b alone at step 0
+    # and b trained the job again from its start. a's heartbeat thread now tells it a's last step.
+    log = io.StringIO()
+    rule = QuorumRule(min_replicas=1, join_timeout=0.3)
+    house = Lighthouse(rule=rule, heartbeat_timeout=0.5, log=log).start()
+    port, connect, beat = house.store.port, timedelta(seconds=30), timedelta(milliseconds=50)
+    a = QuorumClient(house.address, "a", 0, 1, connect, beat)
+    b: Optional[QuorumClient] = None
+    try:
+        assert a.quorum("t1", 7, timedelta(seconds=30)).step == 7
+        house.stop()
+        del house.store  # the service dies: a's connection is lost ...
+        gc.collect()
+        house = Lighthouse(port=port, rule=rule, heartbeat_timeout=0.5, log=log).start()  # ... and comes back
+        b = QuorumClient(house.address, "b", 0, 1, connect, beat)
+        with pytest.raises(TimeoutError):  # a is alive (beating) at step 7: b alone at 0 must wait
+            b.quorum("t1", 0, timedelta(seconds=3))
+        answers: dict[str, Quorum] = {}
+        waiting = threading.Thread(target=lambda: answers.update(b=b.quorum("t2", 0, timedelta(seconds=30))))
+        waiting.start()
+        answers["a"] = a.quorum("t2", 8, timedelta(seconds=30))
+        waiting.join()
+        assert answers["a"] == answers["b"] and answers["a"].step == 8 and answers["a"].heal_from == {"b": "a"}
+    finally:
+        for client in (a, b):
+            if client is not None:
+                client.close()
+        house.stop()
 
 
 def test_the_first_quorum_waits_join_timeout_for_groups_started_together_and_min_replicas() -> None:

@@ -23,6 +23,7 @@ from ._quorum import Ask, Quorum
 __all__ = ["QuorumClient", "parse_address"]
 
 T = TypeVar("T")
+CALL_TIMEOUT_S = 10.0  # a store call's own bound (every call here reads or writes keys that exist)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -50,7 +51,7 @@ class QuorumClient:
         self._stop = threading.Event()
         self.store = self._connect(first=True)
         if self.leader:
-            self._register()
+            self._register(self.store)
         self._beat: Optional[threading.Thread] = None
         if self.leader:
             self._beat = threading.Thread(target=self._beating, args=(heartbeat_interval.total_seconds(),),
@@ -61,10 +62,14 @@ class QuorumClient:
     def _connect(self, first: bool = False) -> Any:
         deadline = time.monotonic() + self.connect_timeout
         while True:
-            left = max(0.5, min(10.0, deadline - time.monotonic()))  # (the store's timeout bounds its connecting too)
+            # one short attempt at a time (the store's timeout bounds its connecting, and it waits out a
+            # backoff of seconds inside a long one): a service back on its port is reached within a second
+            attempt = max(0.2, min(1.0, deadline - time.monotonic()))
             try:
-                return dist.TCPStore(self.host, self.port, is_master=False,  # type: ignore[attr-defined]
-                                     wait_for_workers=False, timeout=timedelta(seconds=left))
+                store = dist.TCPStore(self.host, self.port, is_master=False,  # type: ignore[attr-defined]
+                                      wait_for_workers=False, timeout=timedelta(seconds=attempt))
+                store.set_timeout(timedelta(seconds=CALL_TIMEOUT_S))
+                return store
             except (RuntimeError, OSError) as exc:
                 if self._stop.is_set():
                     raise ValueError(f"replica group {self.replica_id}: closed while reconnecting") from None
@@ -75,9 +80,9 @@ class QuorumClient:
                                      "(`shardwise run --ft` does) or fix SHARDWISE_FT_LIGHTHOUSE") from None
                 time.sleep(0.2)
 
-    def _register(self) -> None:
-        n = self.store.add("ids", 1) - 1
-        self.store.set(f"id/{n}", self.replica_id)
+    def _register(self, store: Any) -> None:
+        n = store.add("ids", 1) - 1
+        store.set(f"id/{n}", self.replica_id)
 
     def _retrying(self, call: Callable[[Any], T]) -> T:
         """`call(store)`, reconnecting (and, as leader, registering and asking again) while the
@@ -90,20 +95,34 @@ class QuorumClient:
                     raise
                 self.store = self._connect()
                 if self.leader:
-                    self._register()
+                    self._register(self.store)
                     if self._last_ask is not None:
                         self.store.set(f"ask/{self.replica_id}", self._last_ask.dumps())
 
     def _beating(self, interval: float) -> None:
-        store = self._connect()
+        store, reconnected = self._connect(), False
         while not self._stop.wait(interval):
             try:
+                if reconnected:
+                    self._reintroduce(store)
+                    reconnected = False
                 store.add(f"hb/{self.replica_id}", 1)
             except (RuntimeError, OSError):
                 try:
-                    store = self._connect()
+                    store, reconnected = self._connect(), True
                 except ValueError:
-                    return
+                    if self._stop.is_set():
+                        return
+
+    def _reintroduce(self, store: Any) -> None:
+        """To a restarted service, from the heartbeat thread (the main thread may be mid-step for
+        a while): this group's id and the step of its last ask. Before this group asks again, the
+        service then knows a live group holds that step, and forms no quorum of groups behind it
+        (a group restarted meanwhile, at step 0, would otherwise train the job again from there)."""
+        self._register(store)
+        ask = self._last_ask
+        if ask is not None:
+            store.set(f"last/{self.replica_id}", str(ask.step))
 
     def close(self) -> None:
         self._stop.set()

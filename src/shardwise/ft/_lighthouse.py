@@ -8,6 +8,7 @@ program) also runs the loop below over it, every few milliseconds:
 |---|---|---|
 | `ids` (a counter), `id/<n>` | a group's leader, once per connection | its replica id |
 | `hb/<id>` (a counter) | the leader's heartbeat thread | liveness: the loop notes when it moves |
+| `last/<id>` | the heartbeat thread, reconnected | the step of the group's last ask to a predecessor |
 | `ask/<id>` | the leader, once a step | an `Ask` (JSON) |
 | `answer/<id>/<token>` | the loop | the quorum id, or `{"error": ...}` |
 | `quorum/<quorum id>` | the loop | the `Quorum` (JSON) |
@@ -19,7 +20,10 @@ to the service can run code; anything malformed is logged and ignored, and the s
 carries on. The loop forgets keys of quorums three behind (answers, quorums, votes), so a
 long run keeps a bounded store. Quorum ids start with a random incarnation, so a service
 restarted on the same port never answers with an id its predecessor used; the groups
-reconnect to it, ask again and carry on (`_client`).
+reconnect to it, ask again and carry on (`_client`). A restarted service knows nothing of the
+job's progress: a live group's heartbeat thread, reconnecting, tells it the step of the
+group's last ask (`last/<id>`), so that a group restarted meanwhile, at step 0, cannot form a
+quorum of its own while the live groups are mid-step and train the job again from the start.
 """
 
 from __future__ import annotations
@@ -131,6 +135,13 @@ class Lighthouse:
         count = self.store.add(f"hb/{rid}", 0)
         if self._beats.get(rid, (-1, 0.0))[0] != count:
             self._beats[rid] = (count, now)
+        if rid not in self._last_steps and self.store.check([f"last/{rid}"]):
+            raw = self.store.get(f"last/{rid}")  # a live group's last ask, before this incarnation
+            if raw.isdigit() and len(raw) <= 18:
+                self._last_steps[rid] = int(raw)
+            else:
+                self._last_steps[rid] = -1
+                self._say(f"ignored the last step of {rid}: {raw[:64]!r} is not a step number")
 
     def _read_ask(self, rid: str, now: float) -> None:
         if not rid or not self.store.check([f"ask/{rid}"]):
