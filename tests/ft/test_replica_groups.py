@@ -73,7 +73,8 @@ def _group(rid: str, address: str, out: str, life: int, kill_at: Optional[int], 
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=sw.init_device_mesh("cpu", (size,)))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    if giving == "pickle":  # the first state this process sends is a code-running pickle, not the wire format
+    if giving == "pickle" or (giving == "pickle-last-rank" and rank == size - 1):
+        # the first state this process sends is a code-running pickle, not the wire format
         import shardwise.ft._manager as sent
 
         honest = sent.pack
@@ -317,14 +318,20 @@ def test_a_group_killed_while_it_heals_another_leaves_the_heal_to_a_live_one(tmp
             assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
 
 
+@pytest.mark.parametrize("size", [1, 2], ids=["groups-of-1", "groups-of-2-one-rank-refuses"])
 def test_a_pickle_sent_to_a_healing_group_runs_nothing_and_is_refused_and_the_heal_is_tried_again(
-        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        size: int, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # a's first state sent to the restarted b is a pickle that would create a file: b refuses it
-    # (the header is not JSON), the step commits nowhere, and b heals again from a's next send
+    # (the header is not JSON), the step commits nowhere, and b heals again from a's next send.
+    # Groups of 2: only a's last rank sends a pickle, so b's rank 0 heals and its rank 1 does not;
+    # regression (bench ft): rank 0 kept its healed step, the group asked as up to date, rank 1
+    # never received the state and trained on with stale shards, a step count of its own, and at
+    # the end a collective that its rank 0 did not issue (gloo aborted the process)
     log = io.StringIO()
     with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=2.0), heartbeat_timeout=0.5, log=log) as lighthouse:
-        launch = _Launch(lighthouse.address, tmp_path, 1, ("a", "b"))
-        giver = launch.start("a", 0, wait_at=(6, "b0.ready1"), giving="pickle")
+        launch = _Launch(lighthouse.address, tmp_path, size, ("a", "b"))
+        giver = launch.start("a", 0, wait_at=(6, f"b{size - 1}.ready1"),
+                             giving="pickle" if size == 1 else "pickle-last-rank")
         victim = launch.start("b", 0, kill_at=3)
         assert launch.wait_failed(victim) == -signal.SIGKILL
         for p in (*giver, *launch.start("b", 1)):
@@ -336,7 +343,7 @@ def test_a_pickle_sent_to_a_healing_group_runs_nothing_and_is_refused_and_the_he
     results = {rid: torch.load(tmp_path / f"{rid}.pt", weights_only=True) for rid in ("a", "b")}
     commits = results["a"]["commits"]
     assert [s for s, _ in commits] == list(range(STEPS)) and commits[-1][1] == ["a", "b"], commits
-    exact = _exact_replay(commits)
+    exact = _exact_replay(commits, size)
     for rid in ("a", "b"):
         for name, p in results[rid]["params"].items():
             assert torch.equal(p, exact[name]), (rid, name)

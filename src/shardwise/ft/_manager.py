@@ -12,7 +12,10 @@ A step under a manager:
 
 Any failure between the quorum and the vote (a member dead or hung, a message that timed
 out) is recorded, not raised: this rank votes no, no member applies the step, and the next
-quorum goes on without whoever is gone. Failures inside a group (its own collectives) are
+quorum goes on without whoever is gone. A heal counts only with its step: when the step is
+discarded, every rank of the healed group goes back to the step it had before, so the group
+asks as behind again and each of its ranks receives the state anew (one rank's heal can fail
+where another's succeeded). Failures inside a group (its own collectives) are
 the group's: its processes fail and `shardwise run --ft` restarts that group alone, which
 then heals from a live member. The healing transfer is the state of `state_dict()` plus
 the manager's step and the RNG state, as tensors and a JSON header (`_wire`): nothing
@@ -107,6 +110,7 @@ class Manager:
         self._group: Any = None
         self._rebuild = True
         self._error: Optional[BaseException] = None
+        self._healing_from: Optional[tuple[int, int]] = None  # (step, batches) before this step's heal
         self.healed = 0  # times this group received a live member's state
         self.committed = self.discarded = 0  # this process's steps that committed / that no member applied
         self._since = time.monotonic()
@@ -137,6 +141,7 @@ class Manager:
     def start_quorum(self) -> None:
         """Join the next step's quorum; heal first if this group is behind it."""
         self._error = None
+        self._healing_from = None
         self._save_if_due()
         self._asked += 1
         try:
@@ -165,6 +170,7 @@ class Manager:
     def _heal(self, quorum: Quorum) -> None:
         source = quorum.heal_from.get(self.replica_id)
         if source is not None:
+            self._healing_from = (self._step, self._batches)
             self._receive(quorum.rank_of(source))
             self._step = quorum.step
             self.healed += 1
@@ -187,6 +193,11 @@ class Manager:
             self.committed += 1
         else:
             self._rebuild = True
+            if self._healing_from is not None:
+                # a heal counts only with its step: every rank of this group goes back to where it was,
+                # so that the group asks as behind again and each of its ranks receives the state anew
+                # (one rank's heal may have failed where another's succeeded)
+                self._step, self._batches = self._healing_from
             why = (repr(self._error) if self._error is not None else f"{len(quorum.members)} groups, fewer than "
                    f"min_replica_size={self.min_replica_size}" if not ok else "another member failed or timed out")
             self.discarded += 1
