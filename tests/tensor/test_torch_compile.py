@@ -103,8 +103,11 @@ def _tp_mlp(which: str, backend: str, mesh_shape: tuple[int, ...], hidden: int) 
     ref.load_state_dict(model.state_dict())
     parallelize(model, init_device_mesh("cpu", mesh_shape), {"in_proj": Colwise(), "out_proj": Rowwise()})
     x = torch.randn(4, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    counts = _explain(model, x)
-    out = torch.compile(model, backend=backend)(x)
+    # the graphs and breaks of the very call whose output and gradients are checked below, counted
+    # as torch._dynamo.explain counts them (one trace instead of explain's and then compile's)
+    compiled, graphs = _compile_counting(model, backend)
+    out = compiled(x)
+    counts = (len(graphs), len(graphs) - 1)
     out.square().sum().backward()
     expected = ref(x)
     expected.square().sum().backward()
@@ -286,8 +289,11 @@ def _context_parallel_llama() -> tuple[tuple[int, int], float, float]:
     parallelize_module(model, init_device_mesh("cpu", (2,), mesh_dim_names=("cp",)), ContextParallel())
     ids = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(1))
     eager = model(input_ids=ids, labels=ids).loss.item()
-    counts = _explain(model, input_ids=ids, labels=ids)
-    out = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids)
+    # the graphs of the very call whose loss and gradients are checked, counted as
+    # torch._dynamo.explain counts them (one trace of the model instead of explain's and compile's)
+    compiled, graphs = _compile_counting(model, "aot_eager")
+    out = compiled(input_ids=ids, labels=ids)
+    counts = (len(graphs), len(graphs) - 1)
     model.zero_grad()
     out.loss.backward()
     ref(input_ids=ids, labels=ids).loss.backward()
@@ -325,15 +331,23 @@ def test_a_construct_dynamo_cannot_trace_breaks_the_graph_and_the_program_still_
         assert err == 0, (rank, err)
 
 
-def _python(code: str) -> subprocess.CompletedProcess[str]:
+def _python(*codes: str) -> list[subprocess.CompletedProcess[str]]:
+    """Each of `codes` run by a fresh interpreter, all at once; their outcomes in order."""
     src = str(Path(__file__).resolve().parents[2] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for code in codes]
+    done = []
+    for proc, code in zip(procs, codes):
+        try:
+            out, err = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        done.append(subprocess.CompletedProcess([sys.executable, "-c", code], proc.returncode, out, err))
+    return done
 
 
 def test_importing_shardwise_does_not_import_dynamo_and_a_failed_registration_never_breaks_its_import() -> None:
-    found = _python("import sys, shardwise; print('torch._dynamo' in sys.modules)")
-    assert found.returncode == 0 and found.stdout.strip() == "False", found.stderr  # (seconds of import time)
     code = ("import warnings, shardwise\n"
             "import shardwise._tensor._traceable as t\n"
             "def boom(): raise RuntimeError('no such API')\n"
@@ -342,6 +356,8 @@ def test_importing_shardwise_does_not_import_dynamo_and_a_failed_registration_ne
             "    warnings.simplefilter('always')\n"
             "    import torch._dynamo\n"
             "print([str(x.message)[:80] for x in w if 'torch.compile' in str(x.message)])\n")
-    done = _python(code)
+    # the two fresh interpreters (seconds of imports each) run side by side
+    found, done = _python("import sys, shardwise; print('torch._dynamo' in sys.modules)", code)
+    assert found.returncode == 0 and found.stdout.strip() == "False", found.stderr  # (seconds of import time)
     assert done.returncode == 0, done.stderr
     assert "could not register its DTensors with torch.compile" in done.stdout, done.stdout
