@@ -11,6 +11,7 @@ starts each group. Modes:
   (`events.<rid>.<life>`) and, at the end, its full parameters (`params.<rid>.pt`).
 - `hsdp`: a rank of one world of groups x ranks processes, `fully_shard` on a (groups, ranks)
   mesh (replicate x shard), no fault tolerance: the healthy-step baseline.
+- `lighthouse`: the quorum service on a given port, in a process the bench kills and restarts.
 
 Every step trains on its part of the committed step's global batch (`ReplicaSampler`): the
 same data whatever groups are alive.
@@ -129,7 +130,8 @@ def _ft(cfg: dict[str, Any]) -> None:
                                   "step_s": t2 - t0, "healed": manager.healed > healed,
                                   "transfer_s": sum(transfers[n_transfers:]) or None,
                                   "heal_in_quorum": bool(quorum is not None and quorum.heal_from),
-                                  "members": list(quorum.members) if quorum is not None else []}) + "\n")
+                                  "members": list(quorum.members) if quorum is not None else [],
+                                  "quorum": quorum.quorum_id if quorum is not None else None}) + "\n")
             log.flush()
             (out / f"progress.{rid}.tmp").write_text(str(manager.current_step()))
             os.replace(out / f"progress.{rid}.tmp", out / f"progress.{rid}")
@@ -170,13 +172,26 @@ def _hsdp(cfg: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
+def _lighthouse(cfg: dict[str, Any]) -> None:
+    """The quorum service in a process of its own, so that the bench can kill it (every group's
+    connection to it is then refused) and start it again on its port: an incarnation after the
+    first is a hot spare (imported, waiting for its `go` file)."""
+    from shardwise.ft import Lighthouse, QuorumRule
+
+    if cfg.get("go"):
+        _wait(Path(cfg["go"]), 3600.0)
+    with open(cfg["log"], "a") as log:
+        Lighthouse(port=int(cfg["port"]), rule=QuorumRule(min_replicas=1, join_timeout=1.0), heartbeat_timeout=0.5,
+                   log=log).serve()
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     torch.set_num_threads(1)
     import logging
 
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    (_ft if cfg["mode"] == "ft" else _hsdp)(cfg)
+    {"ft": _ft, "hsdp": _hsdp, "lighthouse": _lighthouse}[cfg["mode"]](cfg)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,25 @@
-"""Fault tolerance across replica groups: SIGKILLs mid-run, recovery, goodput and overhead, shardwise.ft beside torchft.
+"""Fault tolerance across replica groups: kills, hangs and refused connections mid-run, recovery, goodput and overhead, shardwise.ft beside torchft.
 
 The failure run: G replica groups of N ranks (`fully_shard` inside each group when N > 1),
-a float64 MLP, trained for S committed steps while the bench SIGKILLs a random process of a
-random group F times (`_ft_run.FailureRun`: the group's other processes are ended and the
-group started again alone, as `shardwise run --ft` does; never the last healthy group). Each
+a float64 MLP, trained for S committed steps while the bench injects F failures, these kinds
+in turn (`_ft_run.FailureRun`): SIGKILL of a random process of a random group (the group's
+other processes are ended and the group started again alone, as `shardwise run --ft` does);
+SIGSTOP of a random process for a second past the fault-tolerance timeout, then SIGCONT (a hung
+member: the others must notice it within the timeout and go on, and the group heal when it
+wakes); the lighthouse SIGKILLed and started again on its port a second later (meanwhile
+every connection to it is refused). A kill or hang never takes the last healthy group. Each
 row checks that no committed step was lost (none missing, none committed again after a later
 one: no global restart), that every group ended at step S, and that every group's final
 parameters are equal bit for bit.
 
 Columns: committed steps; discarded step attempts (a group's step that did not commit);
-failures injected; goodput (committed steps per wall second, first step to last);
-recovery (kill -> the restarted group's first committed step, seconds and steps committed
-meanwhile; the next life is a hot spare, see `_ft_run`); "rejoin" (steps the others committed
-while the restarted group, ready, waited to be let in: the issue's "back within 2 steps");
-the state transfer alone; the survivors' step time in a quorum where a group heals over
+failures injected, by kind; goodput (committed steps per wall second, first step to last);
+recovery from a kill (kill -> the restarted group's first committed step, seconds and steps
+committed meanwhile; the next life is a hot spare, see `_ft_run`); "rejoin" (steps the others
+committed while the restarted group, ready, waited to be let in: the issue's "back within 2
+steps"); the state transfer alone; a hang: the longest step attempt of the others that it
+failed (the timeout noticing it) and the hung group's next commit; a refusal: the first commit
+after the lighthouse died; the survivors' step time in a quorum where a group heals over
 their normal step; and the healthy-step overhead: a run without failures, ft on, against
 plain HSDP (one world of G x N processes, `fully_shard` on a (G, N) replicate x shard mesh).
 
@@ -23,7 +29,7 @@ torchft 0.2 runs the same job from a scratch environment when `/tmp/torchft-env`
 
 Sizes: `FT_STEPS`, `FT_FAILURES`, `FT_GROUPS`, `FT_RANKS`, `FT_HEALTHY` (steps of the healthy
 runs) in the environment override the full run's 1,000 steps, 50 failures, 3 groups of 2,
-200 healthy steps (the quick run: 40 steps, 2 failures, 2 groups of 1, no HSDP baseline);
+200 healthy steps (the quick run: 40 steps, 3 failures, 2 groups of 1, no HSDP baseline);
 `FT_KEEP=1` keeps the run's folder (logs, per-step events) and names it in a note.
 """
 
@@ -35,7 +41,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-from io import StringIO
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,12 +50,14 @@ from ._ft_run import FailureRun, free_port, summarize
 __all__ = ["run"]
 
 ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 5.0  # the fault-tolerance timeout of the groups (a hang lasts a second longer)
+KINDS = ("kill", "hang", "kill", "refuse")  # the failures injected, in turn (`_ft_run`)
 TORCHFT_ENV = Path(os.environ.get("FT_TORCHFT_ENV", "/tmp/torchft-env"))
 TORCHFT_HOWTO = (f"python3 -m venv {TORCHFT_ENV} && {TORCHFT_ENV}/bin/pip install torch==2.13.0 torchft==0.2.0")
 
 
 def _sizes(settings: Settings) -> dict[str, int]:
-    base = (dict(steps=40, failures=2, groups=2, ranks=1, healthy=20) if settings.quick
+    base = (dict(steps=40, failures=3, groups=2, ranks=1, healthy=20) if settings.quick
             else dict(steps=1000, failures=50, groups=3, ranks=2, healthy=200))
     for key in base:
         if f"FT_{key.upper()}" in os.environ:
@@ -64,20 +71,27 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def _shardwise(out: Path, groups: list[str], ranks: int, steps: int, failures: int, deadline: float,
-               pace: float = 0.0) -> tuple[dict[str, Any], FailureRun]:
-    from shardwise.ft import Lighthouse, QuorumRule
+               pace: float = 0.0, kinds: tuple[str, ...] = KINDS) -> tuple[dict[str, Any], FailureRun]:
+    import subprocess
 
-    log = StringIO()
-    with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=1.0), heartbeat_timeout=0.5, log=log) as house:
-        def command(group: str, life: int, rank: int, port: int) -> tuple[list[str], dict[str, str]]:
-            cfg = {"mode": "ft", "out": str(out), "rid": group, "life": life, "lighthouse": house.address,
-                   "groups": groups, "steps": steps, "batch": 8 * len(groups) * ranks, "timeout": 5.0, "pace": pace}
-            return [sys.executable, "-m", "bench._ft_worker", json.dumps(cfg)], _env(
-                {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(ranks)})
+    port = free_port()
+    address = f"127.0.0.1:{port}"
 
-        fr = FailureRun(out, groups, ranks, steps, failures, command, deadline_s=deadline)
-        fr.run()
-    (out / "lighthouse.log").write_text(log.getvalue())
+    def lighthouse(n: int) -> subprocess.Popen[bytes]:  # in a process of its own: a refusal kills it
+        cfg = {"mode": "lighthouse", "port": port, "log": str(out / "lighthouse.log"),
+               "go": str(out / f"go.lighthouse.{n}") if n else ""}
+        return subprocess.Popen([sys.executable, "-m", "bench._ft_worker", json.dumps(cfg)], env=_env({}),
+                                stdout=subprocess.DEVNULL, stderr=open(out / "lighthouse.err", "ab"))
+
+    def command(group: str, life: int, rank: int, port: int) -> tuple[list[str], dict[str, str]]:
+        cfg = {"mode": "ft", "out": str(out), "rid": group, "life": life, "lighthouse": address,
+               "groups": groups, "steps": steps, "batch": 8 * len(groups) * ranks, "timeout": TIMEOUT, "pace": pace}
+        return [sys.executable, "-m", "bench._ft_worker", json.dumps(cfg)], _env(
+            {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(ranks)})
+
+    fr = FailureRun(out, groups, ranks, steps, failures, command, deadline_s=deadline, kinds=kinds,
+                    lighthouse=lighthouse, hang_s=TIMEOUT + 1.0)
+    fr.run()
     return summarize(out, groups, steps, fr.kills), fr
 
 
@@ -93,11 +107,11 @@ def _torchft(out: Path, groups: list[str], steps: int, failures: int, deadline: 
     try:
         def command(group: str, life: int, rank: int, store_port: int) -> tuple[list[str], dict[str, str]]:
             cfg = {"mode": "ft", "out": str(out), "rid": group, "life": life, "lighthouse": f"http://127.0.0.1:{port}",
-                   "groups": groups, "steps": steps, "batch": 8 * len(groups), "timeout": 5.0, "pace": pace}
+                   "groups": groups, "steps": steps, "batch": 8 * len(groups), "timeout": TIMEOUT, "pace": pace}
             return [python, str(ROOT / "bench" / "_ft_torchft.py"), json.dumps(cfg)], _env(
                 {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port), "RANK": str(rank), "WORLD_SIZE": "1"})
 
-        fr = FailureRun(out, groups, 1, steps, failures, command, deadline_s=deadline)
+        fr = FailureRun(out, groups, 1, steps, failures, command, deadline_s=deadline, kinds=("kill",))
         fr.run()
     finally:
         house.kill()
@@ -131,15 +145,21 @@ def _row(lib: str, layout: str, s: dict[str, Any], fr: FailureRun, steps: int) -
         problems.append(f"lost steps {s['lost'][:5]}")
     if s["redone"]:
         problems.append(f"committed work lost: {s['redone']} steps committed again after {s['rollbacks']} "
-                        "rollback(s) (every group down at once: a global restart)")
+                        "rollback(s) (the job went back in time: a global restart)")
     if s["extra"] or s["committed"] != steps:
         problems.append(f"{s['committed']} of {steps} committed")
     if not s["equal"]:
         problems.append(f"params differ or missing {s['missing_params']}")
-    if s["recovered"] != s["failures"]:
-        problems.append(f"{s['failures'] - s['recovered']} never recovered")
+    if s["recovered"] != s["kills"]:
+        problems.append(f"{s['kills'] - s['recovered']} killed groups never recovered")
+    if s["hangs_back"] != s["kinds"]["hang"]:
+        problems.append(f"{s['kinds']['hang'] - s['hangs_back']} hung groups never committed again")
+    if s["refused_max_s"] is not None and s["refused_max_s"] == float("inf"):
+        problems.append("no commit after a refusal (the lighthouse restarted)")
     return {"lib": lib, "layout": layout, "committed": s["committed"], "discarded": s["discarded"],
-            "failures": s["failures"], "goodput": s["goodput"], "rec_med": s["recover_med_s"],
+            "failures": s["failures"], "kinds": " / ".join(str(s["kinds"][k]) for k in ("kill", "hang", "refuse")),
+            "goodput": s["goodput"], "hang_back": s["hang_back_med_s"], "noticed": s["noticed_max_s"],
+            "refused": s["refused_med_s"], "rec_med": s["recover_med_s"],
             "rec_max": s["recover_max_s"], "rec_steps": (f"{s['recover_med_steps']:g} / {s['recover_max_steps']}"
                                                         if s["recovered"] else None),
             "rejoin": s["rejoin_max_steps"], "setup": s["setup_med_s"], "ready": s["ready_med_s"],
@@ -158,14 +178,18 @@ def run(settings: Settings) -> list[Table]:
     table = Table(
         "ft",
         f"fault tolerance: {n['groups']} replica groups x {n['ranks']} ranks, {n['steps']} steps, {n['failures']} "
-        f"SIGKILLs of a random process (float64 MLP {64}->{256}->{64}->1, AdamW)",
+        f"failures in turn: SIGKILL of a random process, a process stopped past the timeout, the lighthouse killed "
+        f"and restarted (float64 MLP {64}->{256}->{64}->1, AdamW)",
         [Column("lib", "library"), Column("layout", "groups x ranks"), Column("committed", "committed"),
-         Column("discarded", "discarded"), Column("failures", "kills"), Column("unplanned", "other exits"),
+         Column("discarded", "discarded"), Column("failures", "failures"),
+         Column("kinds", "kills / hangs / refusals"), Column("unplanned", "other exits"),
          Column("goodput", "steps / s", ".2f"),
          Column("rec_med", "recovery med s", ".2f"), Column("rec_max", "max s", ".2f"),
          Column("rec_steps", "recovery steps med / max"), Column("setup", "restart med s", ".2f"),
          Column("ready", "ready->commit med s", ".2f"), Column("ready_max", "max s", ".2f"),
          Column("rejoin", "rejoin max steps"),
+         Column("noticed", "hang noticed max s", ".2f"), Column("hang_back", "hang -> commit med s", ".2f"),
+         Column("refused", "refusal -> commit med s", ".2f"),
          Column("transfer", "transfer med ms", ".1f"), Column("transfer_max", "max ms", ".1f"),
          Column("heal_ratio", "step in heal / normal", ".2f"), Column("step_ms", "normal step ms", ".1f"),
          Column("overhead", "healthy / plain HSDP", ".2f"),
@@ -182,7 +206,7 @@ def run(settings: Settings) -> list[Table]:
         if not settings.quick:  # a run of its own, without failures
             out = work / "healthy"
             out.mkdir()
-            h, _ = _shardwise(out, groups, n["ranks"], n["healthy"], 0, deadline)
+            h, _ = _shardwise(out, groups, n["ranks"], n["healthy"], 0, deadline, kinds=())
             normal_ft, healthy_note = h["normal_step_s"], f"a run of {n['healthy']} steps without failures"
         plain = None
         if not settings.quick:
