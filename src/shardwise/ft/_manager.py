@@ -225,18 +225,38 @@ class Manager:
 
     def reduce_gradients(self, grads: list[torch.Tensor]) -> None:
         """Replace each of `grads` (local tensors) by the members' mean weighted by the samples each
-        contributed (`samples`): one all_reduce per dtype, plus the weights."""
+        contributed (`samples`): one all_reduce per dtype. The samples' sum rides at the end of
+        the float64 (else float32) gradients, which hold a count exactly; without either it is a
+        reduction of its own."""
         if self._group is None or self._error is not None or self._quorum is None or not grads:
             return
-        size = len(self._quorum.members)
+        size, weight = len(self._quorum.members), float(self.samples)
+        dtypes = sorted({g.dtype for g in grads}, key=str)
+        carrier = next((d for d in (torch.float64, torch.float32) if d in dtypes), None)
         try:
-            total = torch.tensor([float(self.samples)], dtype=torch.float64)
-            _comm.replica_all_reduce(total, self._group, size, self.timeout, "the samples of each group")
-            for dtype in sorted({g.dtype for g in grads}, key=str):
+            total: Optional[float] = None
+            if carrier is None:
+                count = torch.tensor([weight], dtype=torch.float64)
+                _comm.replica_all_reduce(count, self._group, size, self.timeout, "the samples of each group")
+                total = count.item()
+            else:
+                dtypes = [carrier, *(d for d in dtypes if d != carrier)]
+            for dtype in dtypes:
                 same = [g for g in grads if g.dtype == dtype]
-                flat = torch.cat([g.reshape(-1) for g in same]) * self.samples
+                n = sum(g.numel() for g in same)
+                # room for the count (carrier), zero-padded to a multiple of the members: no copy to split it
+                room = -(-(n + 1) // size) * size if dtype == carrier else n
+                flat = torch.empty(room, dtype=dtype)
+                torch.cat([g.reshape(-1) for g in same], out=flat[:n])
+                flat[:n].mul_(weight)
+                if dtype == carrier:
+                    flat[n:].zero_()
+                    flat[n] = weight
                 _comm.replica_all_reduce(flat, self._group, size, self.timeout, f"{dtype} gradients")
-                flat /= total.item()
+                if dtype == carrier:
+                    total = flat[n].item()
+                assert total is not None
+                flat[:n].div_(total)
                 offset = 0
                 for g in same:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
