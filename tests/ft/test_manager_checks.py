@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import shardwise.ft as ft
@@ -105,3 +106,20 @@ def test_garbage_and_pickles_sent_to_the_lighthouse_change_nothing_and_run_nothi
     text = log.getvalue()
     assert "is not a replica id" in text and "ignored an ask of mallory" in text, text
     assert "ran code" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.bfloat16), (torch.float32,), (torch.bfloat16, torch.float16)],
+                         ids=["float64-carries-the-count", "float32-carries-it", "no-carrier"])
+def test_reduce_gradients_weights_by_samples_whatever_carries_the_count(dtypes: tuple[torch.dtype, ...]) -> None:
+    # one member: the packing alone (the count riding in a float buffer, or a reduction of its own),
+    # each gradient back in place as (g * samples) / total
+    with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=0.1), log=io.StringIO()) as lighthouse:
+        a = _manager(lighthouse.address, "a")
+        a.start_quorum()
+        a.samples = 3
+        gen = torch.Generator().manual_seed(0)
+        grads = [torch.randn(n, generator=gen).to(dtypes[k % len(dtypes)]) for k, n in enumerate((5, 7, 1, 4))]
+        want = [(g * 3.0) / 3.0 for g in grads]
+        a.reduce_gradients(grads)
+        assert a.errored() is None and all(torch.equal(g, w) for g, w in zip(grads, want)), (grads, want)
+        a.shutdown()

@@ -8,6 +8,7 @@ import io
 import json
 import pickle
 import threading
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -83,6 +84,10 @@ def test_a_restarted_lighthouse_learns_a_live_groups_step_before_a_restarted_gro
         del house.store  # the service dies: a's connection is lost ...
         gc.collect()
         house = Lighthouse(port=port, rule=rule, heartbeat_timeout=0.5, log=log).start()  # ... and comes back
+        deadline = time.monotonic() + 120  # a's heartbeat thread reconnects and tells the new lighthouse
+        while house._last_steps.get("a") != 7:  # its last step (a loaded machine: however long that takes)
+            assert time.monotonic() < deadline, (house._last_steps, log.getvalue())
+            time.sleep(0.01)
         b = QuorumClient(house.address, "b", 0, 1, connect, beat)
         with pytest.raises(TimeoutError):  # a is alive (beating) at step 7: b alone at 0 must wait
             b.quorum("t1", 0, timedelta(seconds=3))
