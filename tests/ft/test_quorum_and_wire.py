@@ -14,6 +14,7 @@ from typing import Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardwise.ft import Lighthouse, QuorumRule
 from shardwise.ft._client import QuorumClient
@@ -102,6 +103,35 @@ def test_a_restarted_lighthouse_learns_a_live_groups_step_before_a_restarted_gro
             if client is not None:
                 client.close()
         house.stop()
+
+
+def test_a_decision_read_before_the_lighthouse_died_is_the_one_every_rank_returns_after() -> None:
+    # regression (CI): the lighthouse died after b had read step 5's decision (commit) and applied
+    # the step, before a read it; the restarted one held neither the decision nor the votes, a's
+    # wait for b's vote ran out and a discarded the step b had taken. b now reposts, reconnecting,
+    # the decision it read, and a returns that one.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    port, connect, beat = store.port, timedelta(seconds=30), timedelta(milliseconds=50)
+    a = QuorumClient(f"127.0.0.1:{port}", "a", 0, 1, connect, beat)
+    b = QuorumClient(f"127.0.0.1:{port}", "b", 0, 1, connect, beat)
+    try:
+        quorum = Quorum("x-5", ("a", "b"), 5, 1, {})
+        store.set("vote/x-5/a/0", "1")  # a's vote, posted before the service died
+        assert b.vote(quorum, True, timedelta(seconds=30))  # b reads the decision: commit
+        del store  # the service dies ...
+        gc.collect()
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+        outcome: list[bool] = []  # ... and comes back; a, still voting, waits a second for b's vote
+        voting = threading.Thread(target=lambda: outcome.append(a.vote(quorum, True, timedelta(seconds=1))))
+        voting.start()
+        time.sleep(0.3)
+        with pytest.raises(TimeoutError):  # b asks for its next quorum: it reconnects and reposts what it read
+            b.quorum("t6", 6, timedelta(seconds=0.5))
+        voting.join(60)
+        assert outcome == [True] and store.get("decision/x-5") == b"1"
+    finally:
+        a.close()
+        b.close()
 
 
 def test_the_first_quorum_waits_join_timeout_for_groups_started_together_and_min_replicas() -> None:

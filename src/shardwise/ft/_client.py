@@ -10,6 +10,7 @@ restarted service. The service's keys are listed in `_lighthouse`.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,9 @@ class QuorumClient:
         self.connect_timeout = connect_timeout.total_seconds()
         self.leader = group_rank == 0
         self._last_ask: Optional[Ask] = None
+        self._voted: Optional[tuple[str, str]] = None  # (key, value) of this rank's last vote
+        self._decided: Optional[tuple[str, str]] = None  # (key, outcome) of the last decision it read
+        self.reconnects = 0
         self._stop = threading.Event()
         self.store = self._connect(first=True)
         if self.leader:
@@ -85,19 +89,46 @@ class QuorumClient:
         store.set(f"id/{n}", self.replica_id)
 
     def _retrying(self, call: Callable[[Any], T]) -> T:
-        """`call(store)`, reconnecting (and, as leader, registering and asking again) while the
-        service is away."""
+        """`call(store)`, reconnecting while the service is away, and telling a restarted one what
+        this rank had written to its predecessor (`_repost`)."""
         while True:
             try:
                 return call(self.store)
             except (RuntimeError, OSError) as exc:
                 if not _connection_lost(exc):
                     raise
-                self.store = self._connect()
-                if self.leader:
-                    self._register(self.store)
-                    if self._last_ask is not None:
-                        self.store.set(f"ask/{self.replica_id}", self._last_ask.dumps())
+                self._reconnect()
+
+    def _reconnect(self) -> None:
+        while True:
+            self.store = self._connect()
+            self.reconnects += 1
+            try:
+                self._repost(self.store)
+                return
+            except (RuntimeError, OSError) as exc:
+                if not _connection_lost(exc):
+                    raise
+
+    def _repost(self, store: Any) -> None:
+        """What the service's predecessor held from this rank: the decision it last read, its last
+        vote and, as leader, its registration and last ask. A service that died between two ranks
+        reading a step's decision took the decision and the votes with it; reposted, every rank
+        still waiting on that step reads the decision the others acted on (or, with nobody having
+        read one, the same votes), never a verdict of its own."""
+        if self._decided is not None:
+            key, outcome = self._decided
+            now = store.compare_set(key, "", outcome).decode()
+            if now != outcome:  # a rank decided alone meanwhile (it waited out its vote's bound)
+                print(f"[shardwise.ft {self.replica_id} rank {self.group_rank}] {key} was {outcome!r} before the "
+                      f"lighthouse restarted and {now!r} after: this group acted on the first", file=sys.stderr,
+                      flush=True)
+        if self._voted is not None:
+            store.set(*self._voted)
+        if self.leader:
+            self._register(store)
+            if self._last_ask is not None:
+                store.set(f"ask/{self.replica_id}", self._last_ask.dumps())
 
     def _beating(self, interval: float) -> None:
         store, reconnected = self._connect(), False
@@ -153,17 +184,34 @@ class QuorumClient:
         of every member voted yes within `timeout`. The first rank to know (all votes read, or
         its wait over) writes the decision with one compare-and-set, and every rank returns
         that one decision, so no two ranks ever disagree on whether the step counts."""
-        mine = f"vote/{quorum.quorum_id}/{self.replica_id}/{self.group_rank}"
-        self._retrying(lambda s: s.set(mine, "1" if ok else "0"))
+        voted = self._voted = (f"vote/{quorum.quorum_id}/{self.replica_id}/{self.group_rank}", "1" if ok else "0")
+        self._retrying(lambda s: s.set(*voted))
         keys = [f"vote/{quorum.quorum_id}/{m}/{r}" for m in quorum.members for r in range(quorum.group_size)]
-        outcome = "0"
-        if self._arrived(keys, time.monotonic() + timeout.total_seconds()):
-            try:
-                outcome = "1" if all(v == b"1" for v in self._retrying(lambda s: s.multi_get(keys))) else "0"
-            except dist.DistStoreError:  # the votes went with a lighthouse that restarted after they were seen
-                outcome = "0"
         decision = f"decision/{quorum.quorum_id}"
-        return bool(self._retrying(lambda s: s.compare_set(decision, "", outcome)) == b"1")
+        outcome = self._count(keys, decision, timeout.total_seconds())
+        self._decided = (decision, self._retrying(lambda s: s.compare_set(decision, "", outcome)).decode())
+        return self._decided[1] == "1"
+
+    def _count(self, keys: list[str], decision: str, timeout: float) -> str:
+        """The outcome of the votes `keys`: "1" when all arrive within `timeout` and say yes, else
+        "0" (and whatever another rank already decided wins over it, by the compare-and-set). If
+        the service restarts meanwhile, the wait starts again, for at least `CALL_TIMEOUT_S`: the
+        other ranks repost their votes, or the decision they read, as they reconnect."""
+        pause, reconnects, deadline = 0.001, self.reconnects, time.monotonic() + timeout
+        while True:
+            if self._retrying(lambda s: s.check(keys)):
+                try:
+                    return "1" if all(v == b"1" for v in self._retrying(lambda s: s.multi_get(keys))) else "0"
+                except dist.DistStoreError:  # the service restarted between the check and the read
+                    pass
+            elif pause == 0.02 and self._retrying(lambda s: s.check([decision])):
+                return "0"  # decided already (by a rank whose wait ended, or before a restart): that one stands
+            if self.reconnects != reconnects:
+                reconnects, deadline = self.reconnects, time.monotonic() + max(timeout, CALL_TIMEOUT_S)
+            if time.monotonic() > deadline:
+                return "0"
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def _arrived(self, keys: list[str], deadline: float) -> bool:
         """Whether every key is set by `deadline`: polled, from 1 ms apart up to 20 ms (a store's
