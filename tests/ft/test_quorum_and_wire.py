@@ -134,6 +134,55 @@ def test_a_decision_read_before_the_lighthouse_died_is_the_one_every_rank_return
         b.close()
 
 
+def _done(rid: str, step: int) -> tuple[Ask, float]:
+    return Ask(rid, f"d{rid}", step, 2, done=True), 10.0
+
+
+def test_a_group_behind_finished_ones_heals_to_their_last_step_in_a_final_quorum_and_takes_none() -> None:
+    # regression: b missed the last quorum (step 9); a and c committed it and ended, and b then
+    # formed a quorum alone at step 9 and took it again on its own part of the batch
+    asking = {**_asking(b=9), "a": _done("a", 10), "c": _done("c", 10)}
+    q = decide(RULE, asking, ("a", "c"), ("a", "b", "c"), now=10.0, quorum_id="x-8")
+    assert q == Quorum("x-8", ("a", "b", "c"), 10, 2, {"b": "a"}, ("a", "c")) and q.final and q.voters == ("b",)
+    assert Quorum.loads(q.dumps()) == q and Ask.loads(asking["a"][0].dumps()) == asking["a"][0]
+    two = QuorumRule(min_replicas=2, join_timeout=0.0)  # a heal takes no step: min_replicas does not hold it up
+    assert decide(two, asking, ("a", "c"), ("a", "b", "c"), now=10.0, quorum_id="x-8") == q
+    # finished groups alone form nothing; beside a working group at their step, they are left out of its quorum
+    assert decide(RULE, {"a": _done("a", 10)}, ("a",), ("a",), now=99.0, quorum_id="x-9") is None
+    q = decide(RULE, {**_asking(b=10), "a": _done("a", 10)}, ("a", "b"), ("a", "b"), now=10.0, quorum_id="x-9")
+    assert q == Quorum("x-9", ("b",), 10, 2, {})
+
+
+def test_finished_groups_stay_to_give_their_state_until_every_live_group_has_finished() -> None:
+    log = io.StringIO()
+    house = Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=0.3), heartbeat_timeout=0.5, log=log).start()
+    connect, beat, wait = timedelta(seconds=30), timedelta(milliseconds=50), timedelta(seconds=60)
+    a, b, c = (QuorumClient(house.address, rid, 0, 1, connect, beat) for rid in ("a", "b", "c"))
+    try:
+        got: dict[str, Optional[Quorum]] = {}
+
+        def finish(client: QuorumClient, token: str) -> threading.Thread:
+            thread = threading.Thread(target=lambda: got.update({client.replica_id: client.linger(token, 10, wait)}))
+            thread.start()
+            return thread
+
+        lingering = [finish(a, "d1"), finish(c, "d1")]
+        time.sleep(0.5)  # a and c finished at step 10; b asks at step 9, behind them
+        final = b.quorum("t9", 9, wait)
+        for thread in lingering:
+            thread.join(60)
+        assert final.final and final.step == 10 and final.heal_from == {"b": "a"} and got == {"a": final, "c": final}
+        leaving = [finish(client, "d2") for client in (a, b, c)]  # b, healed, has finished too: all three go
+        for thread in leaving:
+            thread.join(60)
+        assert got == {"a": None, "b": None, "c": None}, log.getvalue()
+        assert "final: b heals from a, which finished there; no step is taken" in log.getvalue()
+    finally:
+        for client in (a, b, c):
+            client.close()
+        house.stop()
+
+
 def test_the_first_quorum_waits_join_timeout_for_groups_started_together_and_min_replicas() -> None:
     assert decide(RULE, _asking(a=0), (), ("a",), now=10.5, quorum_id="x-5") is None
     assert decide(RULE, _asking(a=0), (), ("a",), now=11.0, quorum_id="x-5") is not None

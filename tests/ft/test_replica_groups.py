@@ -419,6 +419,30 @@ def test_the_groups_wait_for_a_killed_lighthouse_to_come_back_and_carry_on(tmp_p
             assert (p - want[name]).abs().max().item() < 1e-12, (rid, name)
 
 
+def test_a_group_that_misses_the_last_step_heals_from_a_finished_one_rather_than_take_it_alone(
+        tmp_path: Path) -> None:
+    # b stops before its last step until a, which went on without it, has committed that step and
+    # ended its loop (a.pt written; a waits in shutdown). b's step fails, and in a final quorum it
+    # heals from a to the job's end, taking no step. Regression: b took the last step again alone,
+    # on its part of the batch, and ended with parameters no other group had.
+    log = io.StringIO()
+    with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=0.5), heartbeat_timeout=0.5, log=log) as lighthouse:
+        launch = _Launch(lighthouse.address, tmp_path, 1, ("a", "b"))
+        groups = [*launch.start("a", 0), *launch.start("b", 0, wait_at=(STEPS - 1, "a.pt"))]
+        for p in groups:
+            p.join(240)
+            assert p.exitcode == 0, (p.exitcode, log.getvalue())
+    results = {rid: torch.load(tmp_path / f"{rid}.pt", weights_only=True) for rid in ("a", "b")}
+    commits = results["a"]["commits"]
+    assert [s for s, _ in commits] == list(range(STEPS)) and commits[-1] == (STEPS - 1, ["a"]), commits
+    assert results["b"]["commits"] == commits[:-1] and results["b"]["healed"] == 1, results["b"]
+    assert "final: b heals from a" in log.getvalue(), log.getvalue()
+    exact = _exact_replay(commits)
+    for rid in ("a", "b"):
+        for name, p in results[rid]["params"].items():
+            assert torch.equal(p, exact[name]), (rid, name, (p - exact[name]).abs().max().item())
+
+
 def test_a_hung_group_is_left_out_after_the_timeout_and_heals_when_it_wakes(tmp_path: Path) -> None:
     # b stops mid-step 4 (alive, heartbeat beating, never sending its gradients) until a has
     # committed steps 4 to 6 alone: only the fault-tolerance timeout can have let a go on (a then

@@ -167,16 +167,29 @@ class QuorumClient:
         """Ask (as leader) for the quorum of the next step and wait for it; every rank of the
         group passes the same `token`. ValueError if the service refuses the group; TimeoutError
         if no quorum forms within `timeout`."""
+        quorum = self._ask(token, step, timeout, done=False)
+        assert quorum is not None  # (only a finished group is released)
+        return quorum
+
+    def linger(self, token: str, step: int, timeout: timedelta) -> Optional[Quorum]:
+        """Ask as a group that finished at `step`: the next quorum in which it gives its state to
+        a group behind, or None once every live group has finished. TimeoutError after `timeout`."""
+        return self._ask(token, step, timeout, done=True)
+
+    def _ask(self, token: str, step: int, timeout: timedelta, done: bool) -> Optional[Quorum]:
         key = f"answer/{self.replica_id}/{token}"
         if self.leader:
-            ask = self._last_ask = Ask(self.replica_id, token, step, self.group_size)
+            ask = self._last_ask = Ask(self.replica_id, token, step, self.group_size, done)
             self._retrying(lambda s: s.set(f"ask/{self.replica_id}", ask.dumps()))
         if not self._arrived([key], time.monotonic() + timeout.total_seconds()):
             raise TimeoutError(f"replica group {self.replica_id}: no quorum within {timeout.total_seconds():g} s "
                                f"(lighthouse {self.address}); fewer groups than min_replicas are alive?")
         answer = self._retrying(lambda s: s.get(key)).decode()
         if answer.startswith("{"):
-            raise ValueError(json.loads(answer).get("error", answer))
+            data = json.loads(answer)
+            if done and "released" in data:
+                return None
+            raise ValueError(data.get("error", answer))
         return Quorum.loads(self._retrying(lambda s: s.get(f"quorum/{answer}")).decode())
 
     def vote(self, quorum: Quorum, ok: bool, timeout: timedelta) -> bool:
@@ -186,7 +199,7 @@ class QuorumClient:
         that one decision, so no two ranks ever disagree on whether the step counts."""
         voted = self._voted = (f"vote/{quorum.quorum_id}/{self.replica_id}/{self.group_rank}", "1" if ok else "0")
         self._retrying(lambda s: s.set(*voted))
-        keys = [f"vote/{quorum.quorum_id}/{m}/{r}" for m in quorum.members for r in range(quorum.group_size)]
+        keys = [f"vote/{quorum.quorum_id}/{m}/{r}" for m in quorum.voters for r in range(quorum.group_size)]
         decision = f"decision/{quorum.quorum_id}"
         outcome = self._count(keys, decision, timeout.total_seconds())
         self._decided = (decision, self._retrying(lambda s: s.compare_set(decision, "", outcome)).decode())

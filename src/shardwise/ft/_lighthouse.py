@@ -10,7 +10,7 @@ program) also runs the loop below over it, every few milliseconds:
 | `hb/<id>` (a counter) | the leader's heartbeat thread | liveness: the loop notes when it moves |
 | `last/<id>` | the heartbeat thread, reconnected | the step of the group's last ask to a predecessor |
 | `ask/<id>` | the leader, once a step | an `Ask` (JSON) |
-| `answer/<id>/<token>` | the loop | the quorum id, or `{"error": ...}` |
+| `answer/<id>/<token>` | the loop | the quorum id, `{"error": ...}`, or (to a finished group) `{"released": ...}` |
 | `quorum/<quorum id>` | the loop | the `Quorum` (JSON) |
 | `vote/<quorum id>/<id>/<rank>` | every rank of every member | whether its step succeeded |
 | `decision/<quorum id>` | the first rank to know, by compare-and-set | whether the step commits |
@@ -115,7 +115,17 @@ class Lighthouse:
                         self._last_steps)
         if quorum is not None:
             self._publish(quorum, fresh)
+        if fresh and all(rid in self._asking and self._asking[rid][0].done for rid in fresh):
+            self._release()
         return quorum
+
+    def _release(self) -> None:
+        """Every live group has finished: nobody is left to give state to, and the finished ones go."""
+        for rid, (ask, _, key) in list(self._asking.items()):
+            if ask.done:
+                self._answer(key, json.dumps({"released": f"every live group finished (this one at step {ask.step})"}))
+                self._answered[rid] = key
+                del self._asking[rid]
 
     def _read_ids(self) -> None:
         count = self.store.add("ids", 0)
@@ -180,7 +190,11 @@ class Lighthouse:
             keys.append(key)
         joined = sorted(set(quorum.members) - set(self._previous))
         left = sorted(set(self._previous) - set(quorum.members))
-        if joined or left or quorum.heal_from:
+        if quorum.final:
+            self._say(f"quorum {quorum.quorum_id} at step {quorum.step}, final: "
+                      + "; ".join(f"{m} heals from {s}" for m, s in sorted(quorum.heal_from.items()))
+                      + f", which finished there; no step is taken")
+        elif joined or left or quorum.heal_from:
             why = {m: "heartbeat stale" if m not in fresh else "did not ask within join_timeout" for m in left}
             self._say(f"quorum {quorum.quorum_id} at step {quorum.step}: members {list(quorum.members)}"
                       + (f"; joined {joined}" if joined else "") + (f"; left {why}" if left else "")

@@ -19,7 +19,9 @@ where another's succeeded). Failures inside a group (its own collectives) are
 the group's: its processes fail and `shardwise run --ft` restarts that group alone, which
 then heals from a live member. The healing transfer is the state of `state_dict()` plus
 the manager's step and the RNG state, as tensors and a JSON header (`_wire`): nothing
-received runs code.
+received runs code. A group whose loop has ended stays in `shutdown()` until every live
+group has finished, giving its state to one that missed the last step (`_quorum`'s final
+quorum), so that no group ends the job with a step of its own.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class Manager:
         self._rebuild = True
         self._error: Optional[BaseException] = None
         self._healing_from: Optional[tuple[int, int]] = None  # (step, batches) before this step's heal
+        self._last_committed = False  # whether the last vote committed (then this group holds the job's state)
         self.healed = 0  # times this group received a live member's state
         self.committed = self.discarded = 0  # this process's steps that committed / that no member applied
         self._since = time.monotonic()
@@ -151,13 +154,8 @@ class Manager:
             self.report_error(exc)
             return
         if quorum.members != (self._quorum.members if self._quorum else ()) or self._rebuild:
-            self._group = None
-            try:
-                self._group = replica_group(self._client.prefix(f"pg/{quorum.quorum_id}/{self.rank}"),
-                                            quorum.rank_of(self.replica_id), len(quorum.members), self.timeout)
-            except RuntimeError as exc:
-                self.report_error(_comm.ReplicaError(f"making the group of quorum {quorum.quorum_id}", exc))
-        self._quorum, self._rebuild = quorum, False
+            self._join(quorum)
+        self._quorum, self._rebuild = quorum, quorum.final
         if self._group is None:
             return
         if self._step == 0 and quorum.step == 0 and self._checkpoint is not None:
@@ -166,6 +164,15 @@ class Manager:
             self._heal(quorum)
         except _comm.ReplicaError as exc:
             self.report_error(exc)
+
+    def _join(self, quorum: Quorum) -> None:
+        """Make the group across the quorum's members (its ranks of this rank's place)."""
+        self._group = None
+        try:
+            self._group = replica_group(self._client.prefix(f"pg/{quorum.quorum_id}/{self.rank}"),
+                                        quorum.rank_of(self.replica_id), len(quorum.members), self.timeout)
+        except RuntimeError as exc:
+            self.report_error(_comm.ReplicaError(f"making the group of quorum {quorum.quorum_id}", exc))
 
     def _heal(self, quorum: Quorum) -> None:
         source = quorum.heal_from.get(self.replica_id)
@@ -185,8 +192,10 @@ class Manager:
         if quorum is None:
             self._rebuild = True
             return False
+        if quorum.final:
+            return self._end_heal(quorum)
         ok = self._error is None and len(quorum.members) >= self.min_replica_size
-        committed = self._client.vote(quorum, ok, self.timeout)
+        committed = self._last_committed = self._client.vote(quorum, ok, self.timeout)
         if committed:
             self._step += 1
             self._batches += len(quorum.members)
@@ -204,6 +213,21 @@ class Manager:
             self._say(f"step {self._step} of quorum {quorum.quorum_id} discarded: {why}")
         return committed
 
+    def _end_heal(self, quorum: Quorum) -> bool:
+        """A final quorum: the groups behind voted on their heal alone (the finished ones do not
+        vote); no step was taken, so False either way. The heal stands if every rank of every
+        healed group received its state; else each goes back, as after a discarded step."""
+        healed = self._last_committed = self._client.vote(quorum, self._error is None, self.timeout)
+        if healed:
+            self._say(f"healed to step {quorum.step} from {quorum.heal_from[self.replica_id]}, which finished "
+                      f"there (quorum {quorum.quorum_id}): no step to take")
+        else:
+            if self._healing_from is not None:
+                self._step, self._batches = self._healing_from
+            why = repr(self._error) if self._error is not None else "another healed rank failed"
+            self._say(f"the heal of quorum {quorum.quorum_id} from a finished group failed: {why}")
+        return False
+
     def _say(self, line: str) -> None:
         print(f"[shardwise.ft {self.replica_id} rank {self.rank}] {line}", file=sys.stderr, flush=True)
 
@@ -211,7 +235,7 @@ class Manager:
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Average `tensor` in place over the quorum's members (torchft's `allreduce`); a failure
         is recorded (the step will not commit) and `tensor` is left as it was."""
-        if self._group is None or self._error is not None or self._quorum is None:
+        if self._group is None or self._error is not None or self._quorum is None or self._quorum.final:
             return tensor
         flat = tensor.detach().contiguous()
         try:
@@ -228,7 +252,7 @@ class Manager:
         contributed (`samples`): one all_reduce per dtype. The samples' sum rides at the end of
         the float64 (else float32) gradients, which hold a count exactly; without either it is a
         reduction of its own."""
-        if self._group is None or self._error is not None or self._quorum is None or not grads:
+        if self._group is None or self._error is not None or self._quorum is None or self._quorum.final or not grads:
             return
         size, weight = len(self._quorum.members), float(self.samples)
         dtypes = sorted({g.dtype for g in grads}, key=str)
@@ -396,10 +420,15 @@ class Manager:
         """Committed steps per wall-clock second since this manager was made."""
         return self.committed / max(time.monotonic() - self._since, 1e-9)
 
-    def shutdown(self) -> None:
-        """Wait for a checkpoint save under way, stop the heartbeat, and report (group rank 0) the
+    def shutdown(self, wait: bool = True) -> None:
+        """Wait for a checkpoint save under way; then, with `wait` and a last step that committed,
+        stay until every live group has finished, giving this group's state to any that asks
+        behind it (one that missed the last quorum would otherwise take the last step again
+        alone), for at most `quorum_timeout`. Stop the heartbeat, and report (group rank 0) the
         steps committed and discarded and the goodput."""
         self._wait_for_save()
+        if wait and self._last_committed:
+            self._give_until_all_finished()
         if self.rank == 0:
             self._say(f"{self.committed} steps committed and {self.discarded} discarded in "
                       f"{time.monotonic() - self._since:.1f} s: goodput {self.goodput():.2f} steps/s; healed "
@@ -407,6 +436,27 @@ class Manager:
                                                   if self.resumed_from is not None else ""))
         self._client.close()
         self._group = None
+
+
+    def _give_until_all_finished(self) -> None:
+        deadline = time.monotonic() + self.quorum_timeout.total_seconds()
+        while (left := deadline - time.monotonic()) > 0:
+            self._asked += 1
+            try:
+                quorum = self._client.linger(f"{self._nonce:x}.{self._asked}", self._step, timedelta(seconds=left))
+            except TimeoutError:
+                self._say(f"left at step {self._step} after quorum_timeout: a live group had not finished")
+                return
+            if quorum is None:
+                return
+            self._error = None
+            self._join(quorum)
+            if self._group is not None:
+                try:
+                    self._heal(quorum)
+                except _comm.ReplicaError as exc:
+                    self._say(f"could not give this group's state in quorum {quorum.quorum_id}: {exc}")
+            self._group = None
 
 
 def _messages(tensors: list[torch.Tensor], sending: bool) -> tuple[list[torch.Tensor], Callable[[], None]]:

@@ -24,6 +24,14 @@ A group not in the previous quorum joins whenever it is asking when a quorum for
 quorum's step is the highest step asked; a member behind it heals from an up-to-date
 member (spread over them in turn) before the step, and takes part in it.
 
+A group that has finished (its loop ended; `Manager.shutdown`) asks as *done*: it takes no
+more steps, but until every live group has finished it stays to give its state. A group
+that asks behind it (one that missed the last quorum, or restarted after the others ended)
+gets a *final* quorum at once: it heals from a finished group to the job's last step, and
+no step is taken (no reduction, no commit); its loop then ends too. Without that, a group
+that missed the last step would take it again alone, on its own part of the batch, and end
+with parameters no other group has.
+
 | situation | quorum |
 |---|---|
 | members A B C asking at step 7 | A B C, step 7, nobody heals |
@@ -32,6 +40,7 @@ member (spread over them in turn) before the step, and takes part in it.
 | A B at 7, restarted C at 0 | A B C, step 7, C heals from A |
 | restarted C asking, A B alive mid-step | nothing yet: C waits for A B |
 | restarted A B at 0 asking, C alive (left out) last at 6 | nothing yet: A B wait for C |
+| B at 9 asking, A C done at 10 | final: A B C at 10, B heals from A, no step |
 """
 
 from __future__ import annotations
@@ -53,16 +62,20 @@ class Ask:
     token: str
     step: int
     group_size: int
+    done: bool = False  # finished: it only gives its state to groups behind it
 
     def dumps(self) -> str:
         return json.dumps({"replica_id": self.replica_id, "token": self.token, "step": self.step,
-                           "group_size": self.group_size})
+                           "group_size": self.group_size, "done": self.done})
 
     @staticmethod
     def loads(text: str) -> Ask:
         """An ask from the store; ValueError for anything else (a foreign or broken write)."""
         data = _object(text, "ask")
-        ask = Ask(_str(data, "replica_id"), _str(data, "token"), _int(data, "step"), _int(data, "group_size"))
+        done = data.get("done", False)
+        if not isinstance(done, bool):
+            raise ValueError(f"ask {text[:200]!r}: done must be true or false")
+        ask = Ask(_str(data, "replica_id"), _str(data, "token"), _int(data, "step"), _int(data, "group_size"), done)
         if ask.step < 0 or ask.group_size < 1:
             raise ValueError(f"ask {text[:200]!r}: step must be >= 0, group_size >= 1")
         return ask
@@ -71,28 +84,42 @@ class Ask:
 @dataclass(frozen=True)
 class Quorum:
     """The groups (`members`, sorted) that take step `step` together, as quorum `quorum_id`;
-    `heal_from[m]` is the member that group `m` heals from (only members behind `step`)."""
+    `heal_from[m]` is the member that group `m` heals from (only members behind `step`). A
+    final quorum names the finished members that give their state (`done`): the others heal
+    from them and no step is taken."""
 
     quorum_id: str
     members: tuple[str, ...]
     step: int
     group_size: int
     heal_from: Mapping[str, str]
+    done: tuple[str, ...] = ()
+
+    @property
+    def final(self) -> bool:
+        return bool(self.done)
+
+    @property
+    def voters(self) -> tuple[str, ...]:
+        """The members that vote on the step (in a final quorum, on their heal)."""
+        return tuple(m for m in self.members if m not in self.done)
 
     def dumps(self) -> str:
         return json.dumps({"quorum_id": self.quorum_id, "members": list(self.members), "step": self.step,
-                           "group_size": self.group_size, "heal_from": dict(self.heal_from)})
+                           "group_size": self.group_size, "heal_from": dict(self.heal_from),
+                           "done": list(self.done)})
 
     @staticmethod
     def loads(text: str) -> Quorum:
         data = _object(text, "quorum")
-        members = data.get("members")
-        heal = data.get("heal_from")
+        members, heal, done = data.get("members"), data.get("heal_from"), data.get("done", [])
         if not (isinstance(members, list) and all(isinstance(m, str) for m in members) and isinstance(heal, dict)
-                and all(isinstance(k, str) and isinstance(v, str) for k, v in heal.items())):
-            raise ValueError(f"quorum {text[:200]!r}: members must be a list of ids, heal_from a map of ids")
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in heal.items())
+                and isinstance(done, list) and all(isinstance(m, str) and m in members for m in done)):
+            raise ValueError(f"quorum {text[:200]!r}: members must be a list of ids, heal_from a map of ids, done "
+                             "a list of members")
         return Quorum(_str(data, "quorum_id"), tuple(members), _int(data, "step"), _int(data, "group_size"),
-                      dict(heal))
+                      dict(heal), tuple(done))
 
     def rank_of(self, replica_id: str) -> int:
         """The member's place in the quorum (its rank in the groups' process group)."""
@@ -120,12 +147,23 @@ def decide(rule: QuorumRule, asking: Mapping[str, tuple[Ask, float]], previous: 
     it arrived), groups of one size (the lighthouse refuses others); `previous`: the last
     quorum's members; `fresh`: groups whose heartbeat is fresh; `last_steps`: the step of
     each group's last ask."""
+    finished = {g: ask.step for g, (ask, _) in asking.items() if ask.done}
+    working = {g: v for g, v in asking.items() if not v[0].done}
+    if not working:
+        return None  # finished groups only give
+    front = max(finished.values(), default=-1)
+    if front > max(ask.step for ask, _ in working.values()):  # the job ended ahead of them: a final quorum
+        givers = sorted(g for g, step in finished.items() if step == front)
+        heal = {m: givers[i % len(givers)] for i, m in enumerate(sorted(working))}
+        members = tuple(sorted([*working, *givers]))
+        return Quorum(quorum_id, members, front, asking[members[0]][0].group_size, heal, tuple(givers))
+    asking = working
     if len(asking) < rule.min_replicas:
         return None
     top = max(ask.step for ask, _ in asking.values())
-    if any((last_steps or {}).get(g, -1) > top for g in fresh if g not in asking):
+    if any((last_steps or {}).get(g, -1) > top for g in fresh if g not in asking and g not in finished):
         return None  # a live group holds newer state than any asker: wait for it
-    expected = [m for m in previous if m in set(fresh)]
+    expected = [m for m in previous if m in set(fresh) and m not in finished]
     if expected:
         waited_on = [t for m, (_, t) in asking.items() if m in expected]
         if not waited_on:  # the live members are mid-step: a newcomer waits for them (no split brain)
