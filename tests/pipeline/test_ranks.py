@@ -167,6 +167,12 @@ def _transparency(schedule: str, balance: list[int], chunks: int) -> list[int]:
     (4, "gpipe", [2, 2, 2, 2]),  # 'long' goes from stage 0 to stage 3
     (4, "1f1b", [2, 2, 2, 2]),
     (4, "interleaved", [1] * 8),  # 8 stages on 4 ranks: 'x' in b goes from stage 2 to 6, both on rank 2
+    (2, "looped_bfs", [2, 2, 2, 2]),
+    (2, "zero_bubble", [3, 5]),  # ZB-H1: backwards split into I and W
+    (4, "zero_bubble", [2, 2, 2, 2]),
+    (2, "zero_bubble", [2, 2, 2, 2]),  # interleaved zero bubble
+    (2, "zbv", [2, 2, 2, 2]),  # V: stages 0 and 3 on rank 0, 'long' from stage 0 to 3 stays on rank 0
+    (4, "zbv", [1] * 8),
 ])
 def test_pipeline_equals_the_plain_module(world: int, schedule: str, balance: list[int]) -> None:
     counted = run_distributed(_transparency, world, schedule, balance, 4)
@@ -448,7 +454,8 @@ def test_argument_errors_name_the_values_and_the_fix() -> None:
         DistributedPipe(skip_model(), [2, 2, 2, 2], mesh, schedule="1f1b")
     with pytest.raises(ValueError, match=r"2 problems with the DistributedPipe arguments:\n"
                                          r"  - dp_dim='dp' is not a dim of the mesh .*\n"
-                                         r"  - schedule='zb' is not one of \('gpipe', '1f1b', 'interleaved'\)"):
+                                         r"  - schedule='zb' is not one of \('gpipe', '1f1b', 'interleaved', "
+                                         r"'looped_bfs', 'zero_bubble', 'zbv'\)"):
         DistributedPipe(skip_model(), [5, 3], mesh, schedule="zb", dp_dim="dp")
     with pytest.raises(ValueError, match=r"dp_dim='pp' is also the pp dim: averaging gradients over it would mix"):
         DistributedPipe(skip_model(), [5, 3], mesh, dp_dim="pp")  # silently averaged stages' gradients

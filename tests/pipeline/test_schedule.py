@@ -8,7 +8,8 @@ import doctest
 
 import pytest
 
-from shardwise.pipeline import Action, ScheduleGPipe, ScheduleInterleaved1F1B, Schedule1F1B, Schedule, clock_cycles
+from shardwise.pipeline import (Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble, clock_cycles)
 from shardwise.pipeline import _schedule
 
 
@@ -25,14 +26,18 @@ def assert_valid(s: Schedule) -> None:
         for a in actions:
             assert a not in when, f"{a} runs twice"
             when[a] = tick
-    assert set(when) == {Action(k, i, j) for k in "FB" for i in range(m) for j in range(p)}
+    back = "I" if any(a.kind == "I" for a in when) else "B"  # (a split backward: I, then W)
+    assert set(when) == {Action(k, i, j) for k in ("F" + back + ("W" if back == "I" else "")) for i in range(m)
+                         for j in range(p)}
     for i in range(m):
         for j in range(p):
             if j > 0:
                 assert when[Action("F", i, j)] > when[Action("F", i, j - 1)]
-            assert when[Action("B", i, j)] > when[Action("F", i, j)]
+            assert when[Action(back, i, j)] > when[Action("F", i, j)]
             if j < p - 1:
-                assert when[Action("B", i, j)] > when[Action("B", i, j + 1)]
+                assert when[Action(back, i, j)] > when[Action(back, i, j + 1)]
+            if back == "I":
+                assert when[Action("W", i, j)] > when[Action("I", i, j)]
     for rank in range(s.num_ranks):
         mine = sorted((a for a in when if s.stage_rank(a.stage) == rank), key=when.__getitem__)
         assert s.rank_order(rank) == mine
@@ -175,6 +180,37 @@ def test_examples_of_bubble_fractions() -> None:
     assert ScheduleGPipe(1, 5).bubble_fraction() == 0.0
 
 
+@pytest.mark.parametrize("r", range(1, 5))
+@pytest.mark.parametrize("m", range(1, 9))
+def test_zero_bubble_and_looped_schedules_are_valid_on_many_sizes(r: int, m: int) -> None:
+    for s in (ScheduleInterleavedZeroBubble(r, 1, m), ScheduleInterleavedZeroBubble(r, 2, m), ScheduleZBVZeroBubble(r, m),
+              ScheduleLoopedBFS(r, 2, m)):
+        assert_valid(s)
+    v = ScheduleZBVZeroBubble(r, m)
+    assert [v.stage_rank(j) for j in range(2 * r)] == [*range(r), *reversed(range(r))]
+
+
+@pytest.mark.parametrize("r", range(2, 8))
+@pytest.mark.parametrize("extra", range(0, 18, 3))
+def test_zb_h1_reaches_its_bubble_and_the_v_beats_1f1b(r: int, extra: int) -> None:
+    # ZB-H1: the bubble of 1F1B, (r-1)(F+B+W), shrinks to (r-1)(F+B-W), a third of it with F = B = W
+    m = r + extra
+    zb = ScheduleInterleavedZeroBubble(r, 1, m)
+    assert zb.bubble_fraction() == pytest.approx((r - 1) / (3 * m + r - 1), abs=1e-12)
+    assert ScheduleZBVZeroBubble(r, m).bubble_fraction() < zb.bubble_fraction() < Schedule1F1B(r, m).bubble_fraction()
+
+
+def test_examples_of_zero_bubble_orders_and_bubbles() -> None:
+    # 2 ranks in a V, 4 micro-batches: rank 0 holds stages 0 and 3, one tick of bubble in 25
+    v = ScheduleZBVZeroBubble(2, 4)
+    assert [str(a) for a in v.rank_order(0)[:8]] == ["F0.0", "F1.0", "F2.0", "F0.3", "I0.3", "W0.3", "F1.3", "I0.0"]
+    assert v.bubble_fraction() == pytest.approx(1 / 25)
+    assert Schedule1F1B(2, 4).bubble_fraction() == pytest.approx(1 / 5)  # the most a zero bubble saves: 1.25x
+    assert ScheduleLoopedBFS(2, 2, 4).rank_order(1) == [
+        *(Action("F", i, 1) for i in range(4)), *(Action("F", i, 3) for i in range(4)),
+        *(Action("B", i, 3) for i in range(4)), *(Action("B", i, 1) for i in range(4))]
+
+
 # -- torchgpipe's clock_cycles ---------------------------------------------------------------
 
 @pytest.mark.parametrize(("m", "n", "expected"), [
@@ -216,7 +252,8 @@ def test_schedules_are_frozen_values_with_round_tripping_repr() -> None:
     (lambda: ScheduleGPipe(2, 2).stage_rank(2), "stage 2 is out of range for ScheduleGPipe(num_stages=2, num_microbatches=2): "
                                         "use a stage in [0, 1]"),
     (lambda: Schedule1F1B(2, 2).rank_order(-1), "rank -1 is out of range"),
-    (lambda: Action("W", 0, 0), "Action kind must be 'F' (forward) or 'B' (backward), got 'W'"),
+    (lambda: Action("X", 0, 0), "Action kind must be one of 'F' (forward), 'B' (backward), 'I' (backward of the "
+                                "inputs' gradients), 'W' (backward of the weights' gradients), got 'X'"),
 ])
 def test_errors_name_the_values(make: object, message: str) -> None:
     with pytest.raises(ValueError) as info:

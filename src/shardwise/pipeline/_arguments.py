@@ -13,7 +13,8 @@ from ._topology import Topology
 
 __all__ = ["SCHEDULES", "check_arguments", "check_staged"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zero_bubble", "zbv")
+LOOPED = ("interleaved", "looped_bfs", "zero_bubble")  # several stages per rank, stage s on rank s % pp
 
 
 def check_arguments(mesh: DeviceMesh, pp_dim: str, dp_dim: Optional[str], tp_dim: Optional[str],
@@ -79,20 +80,31 @@ def _schedule_problems(pp: int, schedule: str, virtual_stages: Optional[int], nu
     if schedule not in SCHEDULES:
         problems.append(f"schedule={schedule!r} is not one of {SCHEDULES}")
     else:
-        if schedule == "interleaved":
+        if schedule in LOOPED:
             if num_stages % pp or num_stages == 0:
-                problems.append(f"interleaved 1F1B puts the same number of stages on each of the {pp} pp ranks, "
+                problems.append(f"schedule={schedule!r} puts the same number of stages on each of the {pp} pp ranks, "
                                 f"but balance has {num_stages} stages: give len(balance) a multiple of {pp}")
             elif virtual_stages is not None and virtual_stages * pp != num_stages:
                 problems.append(f"virtual_stages={virtual_stages} with {pp} pp ranks means {virtual_stages * pp} "
                                 f"stages, but balance has {num_stages}: give one balance entry per stage")
-            if isinstance(chunks, int) and chunks > 0 and chunks % pp:
+            if schedule == "interleaved" and isinstance(chunks, int) and chunks > 0 and chunks % pp:
                 problems.append(f"interleaved 1F1B sends micro-batches through the ranks in groups of {pp}, so "
                                 f"chunks ({chunks}) must be a multiple of {pp}")
+        elif schedule == "zbv":
+            if num_stages != 2 * pp:
+                per = f"{num_stages // pp} stages per rank" if num_stages % pp == 0 else f"{num_stages} stages"
+                problems.append(f"schedule='zbv' places stages in a V, two on each pp rank (rank k holds stages k and "
+                                f"{2 * pp - 1}-k), so balance needs {2 * pp} entries for {pp} pp ranks, got {per}: "
+                                f"split the model into {2 * pp} stages, or use schedule='zero_bubble' for another "
+                                "number per rank")
+            if virtual_stages not in (None, 2):
+                problems.append(f"virtual_stages={virtual_stages}: schedule='zbv' holds exactly 2 stages per rank")
         else:
             if num_stages != pp:
                 problems.append(f"schedule={schedule!r} runs one stage per pp rank, so balance needs {pp} entries "
-                                f"(got {num_stages}); use schedule='interleaved' for several stages per rank")
+                                f"(got {num_stages}); use schedule='interleaved', 'looped_bfs', 'zero_bubble' or "
+                                "'zbv' for several stages per rank")
             if virtual_stages not in (None, 1):
-                problems.append(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+                problems.append(f"virtual_stages={virtual_stages} needs a schedule of several stages per rank "
+                                f"({', '.join(LOOPED)} or zbv)")
     return problems

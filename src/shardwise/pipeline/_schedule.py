@@ -30,10 +30,23 @@ micro-batches go through the ranks in groups of `r`. 2 ranks, 2 virtual stages e
     rank 0  F0.0  F1.0  F0.2  F1.2  .     B0.2  .     B1.2  B0.0  B1.0
     rank 1  .     F0.1  F1.1  F0.3  B0.3  F1.3  B1.3  B0.1  B1.1  .
 
-With `p` ranks and `m` micro-batches the idle fraction of rank-ticks (`bubble_fraction`)
-is `(p-1)/(m+p-1)` for ScheduleGPipe and 1F1B, and `(p-1)/(v*m+p-1)` for interleaved 1F1B when
-`m` is a multiple of `p`. `clock_cycles` is torchgpipe's forward-only table of
-(micro-batch, partition) pairs, which the single-process `Pipe` follows.
+Zero-bubble schedules split a backward in two (`_split_backward`): ``I``, the inputs'
+gradients, which the stage before waits for, and ``W``, the weights', which nobody waits
+for and which fills what would be idle time. Their orders come from one policy run on the
+cost model below (`_zero_bubble_order`): a free rank runs a ready ``I`` first, else a
+ready ``F`` while it holds fewer micro-batches' activations than its 1F1B counterpart
+would (about), else a pending ``W``. ScheduleInterleavedZeroBubble is that policy on interleaved
+placement (ZB-H1 with one stage per rank); ScheduleZBVZeroBubble on the V placement: two
+stages per rank, rank `k` holding stages `k` and `2r-1-k`, so a micro-batch's last forward
+and first backward run on rank 0 back to back. ScheduleLoopedBFS runs each of a rank's
+stages for every micro-batch before the next stage (breadth first).
+
+`ticks()` gives every action one tick. `bubble_fraction()` prices them as they cost: a
+forward 1, a whole backward 2, its halves ``I`` and ``W`` 1 each, and counts the idle
+fraction of rank-time. With `p` ranks and `m` micro-batches that is `(p-1)/(m+p-1)` for
+ScheduleGPipe and 1F1B, and `(p-1)/(v*m+p-1)` for interleaved 1F1B when `m` is a multiple
+of `p`. `clock_cycles` is torchgpipe's forward-only table of (micro-batch, partition)
+pairs, which the single-process `Pipe` follows.
 """
 
 from __future__ import annotations
@@ -42,21 +55,28 @@ import abc
 import functools
 from dataclasses import dataclass
 
-__all__ = ["Action", "Schedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "clock_cycles"]
+__all__ = ["Action", "Schedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "clock_cycles"]
+
+KINDS = {"F": "forward", "B": "backward", "I": "backward of the inputs' gradients",
+         "W": "backward of the weights' gradients"}
+COST = {"F": 1, "B": 2, "I": 1, "W": 1}  # in forwards (`bubble_fraction`): a backward is two, one per half
 
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of work: the forward ("F") or backward ("B") of micro-batch `microbatch`
-    on global stage `stage`."""
+    """One unit of work on global stage `stage` for micro-batch `microbatch`: the forward
+    ("F"), the backward ("B"), or the backward's halves, the inputs' gradients ("I") and then
+    the weights' ("W")."""
 
     kind: str
     microbatch: int
     stage: int
 
     def __post_init__(self) -> None:
-        if self.kind not in ("F", "B"):
-            raise ValueError(f"Action kind must be 'F' (forward) or 'B' (backward), got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"Action kind must be one of {', '.join(f'{k!r} ({v})' for k, v in KINDS.items())}, "
+                             f"got {self.kind!r}")
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}.{self.stage}"
@@ -66,8 +86,9 @@ class Action:
 class Schedule(abc.ABC):
     """`num_stages` stages on `num_ranks` ranks, `num_microbatches` micro-batches.
 
-    Every schedule respects: F(i, s) after F(i, s-1); B(i, s) after F(i, s) and after
-    B(i, s+1); each rank runs at most one action per tick.
+    Every schedule respects: F(i, s) after F(i, s-1); B(i, s) (or I(i, s)) after F(i, s) and
+    after B(i, s+1) (or I(i, s+1)); W(i, s) after I(i, s); each rank runs at most one action
+    per tick.
     """
 
     num_stages: int
@@ -90,14 +111,19 @@ class Schedule(abc.ABC):
         """The order in which `rank` runs its actions (the definition of the schedule)."""
 
     def ticks(self) -> list[tuple[Action, ...]]:
-        """Per clock tick, the actions that run in it (at most one per rank, ordered by rank)."""
-        return list(_simulate(self))
+        """Per clock tick, the actions that run in it (at most one per rank, ordered by rank),
+        every action one tick."""
+        spans = _simulate(self, weighted=False)
+        table: list[list[Action]] = [[] for _ in range(max((end for _, _, end in spans), default=0))]
+        for a, start, _ in spans:
+            table[start].append(a)
+        return [tuple(sorted(actions, key=lambda a: self.stage_rank(a.stage))) for actions in table]
 
     def bubble_fraction(self) -> float:
-        """Idle fraction of rank-ticks, forward and backward counting one tick each."""
-        table = _simulate(self)
-        busy = sum(len(actions) for actions in table)
-        return 1.0 - busy / (self.num_ranks * len(table))
+        """Idle fraction of rank-time, each action priced by `COST` (a forward 1, a backward 2)."""
+        spans = _simulate(self, weighted=True)
+        busy = sum(end - start for _, start, end in spans)
+        return 1.0 - busy / (self.num_ranks * max(end for _, _, end in spans))
 
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
@@ -184,6 +210,90 @@ class ScheduleInterleaved1F1B(Schedule):
                 f"num_microbatches={self.num_microbatches})")
 
 
+class ScheduleLoopedBFS(Schedule):
+    """Looped breadth-first (Lamy-Poirier 2023): `virtual_stages` stages per rank, stage `s` on
+    rank `s % num_ranks`; each rank runs its first stage's forward for every micro-batch, then
+    its next stage's, and the backwards in the mirror order (last stage first). Any
+    `num_microbatches >= 1`."""
+
+    def __init__(self, num_ranks: int, virtual_stages: int, num_microbatches: int) -> None:
+        _check_sizes(num_ranks=num_ranks, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
+        super().__init__(num_ranks * virtual_stages, num_microbatches, num_ranks)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.num_stages // self.num_ranks
+
+    def rank_order(self, rank: int) -> list[Action]:
+        stages, m = self.rank_stages(rank), self.num_microbatches
+        return ([Action("F", i, s) for s in stages for i in range(m)]
+                + [Action("B", i, s) for s in reversed(stages) for i in range(m)])
+
+    def __repr__(self) -> str:
+        return (f"ScheduleLoopedBFS(num_ranks={self.num_ranks}, virtual_stages={self.virtual_stages}, "
+                f"num_microbatches={self.num_microbatches})")
+
+
+class ScheduleInterleavedZeroBubble(Schedule):
+    """Zero bubble on interleaved placement (Qi et al. 2024; ZB-H1 with `virtual_stages=1`):
+    stage `s` on rank `s % num_ranks`, each backward split into I and W, the order from the
+    zero-bubble policy (module docstring). Each rank holds at most `activation_bound` pairs
+    between F and W: with one stage per rank `r + 2`, 1F1B's first rank's `r` and two past
+    their I (which keep only the weights' inputs); that reaches ZB-H1's bubble,
+    `(r-1)/(3m+r-1)` in `COST` units, for every `m >= r`. With several, interleaved 1F1B's
+    first rank's bound. Any `num_microbatches >= 1`."""
+
+    def __init__(self, num_ranks: int, virtual_stages: int, num_microbatches: int) -> None:
+        _check_sizes(num_ranks=num_ranks, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
+        super().__init__(num_ranks * virtual_stages, num_microbatches, num_ranks)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.num_stages // self.num_ranks
+
+    def activation_bound(self, rank: int) -> int:
+        """The most (micro-batch, stage) pairs whose forward ran and W has not, on `rank`."""
+        r, v = self.num_ranks, self.virtual_stages
+        return min(self.num_microbatches * v, 2 * (r - 1) + (v - 1) * r + 1 if v > 1 else r + 2)
+
+    def rank_order(self, rank: int) -> list[Action]:
+        self._check_rank(rank)
+        return list(_zero_bubble_order(self)[rank])
+
+    def __repr__(self) -> str:
+        return (f"ScheduleInterleavedZeroBubble(num_ranks={self.num_ranks}, virtual_stages={self.virtual_stages}, "
+                f"num_microbatches={self.num_microbatches})")
+
+
+class ScheduleZBVZeroBubble(Schedule):
+    """ZB-V (Qi et al. 2024): two stages per rank in a V, rank `k` holding stages `k` and
+    `2r-1-k`; backwards split into I and W, the order from the zero-bubble policy (module
+    docstring), holding at most `2r` (micro-batch, stage) pairs' activations per rank (1F1B's
+    memory: `r` micro-batches of a whole rank's layers). Any `num_microbatches >= 1`."""
+
+    def __init__(self, num_ranks: int, num_microbatches: int) -> None:
+        _check_sizes(num_ranks=num_ranks, num_microbatches=num_microbatches)
+        super().__init__(2 * num_ranks, num_microbatches, num_ranks)
+
+    def stage_rank(self, stage: int) -> int:
+        super().stage_rank(stage)  # (checks the stage)
+        return stage if stage < self.num_ranks else self.num_stages - 1 - stage
+
+    def rank_stages(self, rank: int) -> list[int]:
+        self._check_rank(rank)
+        return [rank, self.num_stages - 1 - rank]
+
+    def activation_bound(self, rank: int) -> int:
+        return min(2 * self.num_microbatches, 2 * self.num_ranks)
+
+    def rank_order(self, rank: int) -> list[Action]:
+        self._check_rank(rank)
+        return list(_zero_bubble_order(self)[rank])
+
+    def __repr__(self) -> str:
+        return f"ScheduleZBVZeroBubble(num_ranks={self.num_ranks}, num_microbatches={self.num_microbatches})"
+
+
 def clock_cycles(num_microbatches: int, num_partitions: int) -> list[list[tuple[int, int]]]:
     """torchgpipe's forward schedule: in clock cycle `k`, micro-batch `i` runs on
     partition `j` for every `i + j == k`.
@@ -196,38 +306,82 @@ def clock_cycles(num_microbatches: int, num_partitions: int) -> list[list[tuple[
     return [[(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))] for k in range(m + n - 1)]
 
 
+def _needs(a: Action, last: int) -> list[tuple[Action, ...]]:
+    """What `a` waits for: each entry is met by any one of its actions."""
+    i, s = a.microbatch, a.stage
+    if a.kind == "F":
+        return [(Action("F", i, s - 1),)] if s > 0 else []
+    if a.kind == "W":
+        return [(Action("I", i, s),)]
+    return [(Action("F", i, s),)] + ([(Action("B", i, s + 1), Action("I", i, s + 1))] if s < last else [])
+
+
 @functools.lru_cache(maxsize=256)
-def _simulate(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
-    """Run each rank's order, every action at the first tick its rank is free and its
-    inputs (previous stage's forward, next stage's backward, own forward) are done."""
+def _simulate(schedule: Schedule, weighted: bool) -> tuple[tuple[Action, int, int], ...]:
+    """Run each rank's order, every action as soon as its rank is free and what it needs
+    (`_needs`) has finished; (action, start, end) in the order they start. `weighted`: each
+    action lasts its `COST`, else one tick."""
     orders = [schedule.rank_order(rank) for rank in range(schedule.num_ranks)]
     last = schedule.num_stages - 1
-    done: dict[Action, int] = {}  # action -> tick it ran in
-    position = [0] * schedule.num_ranks
-    table: list[tuple[Action, ...]] = []
+    finished: dict[Action, int] = {}
+    position, free = [0] * schedule.num_ranks, [0] * schedule.num_ranks
+    spans: list[tuple[Action, int, int]] = []
+    tick = 0
     while any(p < len(o) for p, o in zip(position, orders)):
-        tick = len(table)
-        running = []
         for rank, order in enumerate(orders):
-            if position[rank] == len(order):
+            if position[rank] == len(order) or free[rank] > tick:
                 continue
             a = order[position[rank]]
-            if a.kind == "F":
-                needs = [Action("F", a.microbatch, a.stage - 1)] if a.stage > 0 else []
-            else:
-                needs = [Action("F", a.microbatch, a.stage)]
-                needs += [Action("B", a.microbatch, a.stage + 1)] if a.stage < last else []
-            if all(done.get(n, tick) < tick for n in needs):
-                running.append(a)
-        if not running:
+            if all(any(finished.get(n, tick + 1) <= tick for n in need) for need in _needs(a, last)):
+                free[rank] = finished[a] = tick + (COST[a.kind] if weighted else 1)
+                position[rank] += 1
+                spans.append((a, tick, free[rank]))
+        if all(f <= tick for f in free) and not any(start == tick for _, start, _ in spans[-len(orders):]):
             stuck = {rank: str(order[position[rank]])
                      for rank, order in enumerate(orders) if position[rank] < len(order)}
             raise RuntimeError(f"{schedule!r} deadlocks at tick {tick}: ranks wait on {stuck}")
-        for a in running:
-            done[a] = tick
-            position[schedule.stage_rank(a.stage)] += 1
-        table.append(tuple(running))
-    return tuple(table)
+        tick += 1
+    return tuple(spans)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bubble_order(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, the order the zero-bubble policy gives on `COST`: a free rank runs the ready I of
+    the earliest micro-batch (latest stage first), else the ready F of the earliest micro-batch
+    (earliest stage first) while it holds fewer than `activation_bound(rank)` (micro-batch,
+    stage) pairs between their F and their W, else its earliest pending W; else it waits."""
+    r, m, last = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages - 1
+    stages = [schedule.rank_stages(rank) for rank in range(r)]
+    bound = [schedule.activation_bound(rank) for rank in range(r)]  # type: ignore[attr-defined]
+    finished: dict[Action, int] = {}
+    orders: list[list[Action]] = [[] for _ in range(r)]
+    free, held = [0] * r, [0] * r
+    total = 3 * m * schedule.num_stages
+    tick = 0
+    while sum(len(o) for o in orders) < total:
+        started = False
+        for rank in range(r):
+            if free[rank] > tick:
+                continue
+            ready = [a for kind in "IFW" for i in range(m) for s in stages[rank]
+                     for a in (Action(kind, i, s),)
+                     if a not in finished and all(any(finished.get(n, tick + 1) <= tick for n in need)
+                                                  for need in _needs(a, last))]
+            inputs = sorted((a for a in ready if a.kind == "I"), key=lambda a: (a.microbatch, -a.stage))
+            forwards = sorted((a for a in ready if a.kind == "F"), key=lambda a: (a.microbatch, a.stage))
+            weights = sorted((a for a in ready if a.kind == "W"), key=lambda a: (a.microbatch, a.stage))
+            pick = (inputs[:1] or (forwards[:1] if held[rank] < bound[rank] else []) or weights[:1])
+            if not pick:
+                continue
+            a = pick[0]
+            free[rank] = finished[a] = tick + COST[a.kind]
+            held[rank] += {"F": 1, "I": 0, "W": -1}[a.kind]
+            orders[rank].append(a)
+            started = True
+        if not started and all(f <= tick for f in free):
+            raise RuntimeError(f"{schedule!r}: the zero-bubble policy found nothing to run at tick {tick}")
+        tick += 1
+    return tuple(tuple(o) for o in orders)
 
 
 def _check_sizes(**sizes: int) -> None:

@@ -27,6 +27,7 @@ from ._channels import Channel
 from ._context import StepContext
 from ._microbatch import Batch, BatchValue, check, scatter
 from ._schedule import Action
+from ._split_backward import WeightGrad, backward_input
 from ._stage import SkipTrackerThroughRanks
 from ._timeline import current_timeline
 
@@ -58,10 +59,14 @@ class StepRun:
         self.cp: Optional[CpAttention] = None
         self.counts: list[int] = []  # under cp: each micro-batch's counted target tokens, whole
         self.current: Optional[Action] = None
-        order = layout.schedule.rank_order(layout.pp_rank)
-        self.last_backward = {a.stage: (a.microbatch, a.stage) for a in order if a.kind == "B"}  # the last wins
+        self.weight_grads: dict[tuple[int, int], WeightGrad] = {}  # W still to run, after an I
         stop = {"always": m, "except_last": m - 1, "never": 0}[layout.checkpoint]
         self.checkpoint_stop = stop if train and training else 0
+        order = layout.schedule.rank_order(layout.pp_rank)
+        # where a stage's weights get their gradients: B, or W when the backward is split, or I for a
+        # checkpointed micro-batch, whose backward stays whole (the last wins)
+        self.last_backward = {a.stage: (a.microbatch, a.stage) for a in order
+                              if a.kind == "B" or a.kind == ("I" if self._whole(a.microbatch) else "W")}
 
     def prepare(self, input: Any, target: Any) -> None:
         layout = self.layout
@@ -90,7 +95,12 @@ class StepRun:
         timeline = current_timeline()
         span = timeline.span(self.layout.rank, a.stage, a.microbatch, a.kind) if timeline else nullcontext()
         with span:
-            (self.forward if a.kind == "F" else self.backward)(a.microbatch, a.stage)
+            if a.kind == "F":
+                self.forward(a.microbatch, a.stage)
+            elif a.kind == "W":
+                self.weights_backward(a.microbatch, a.stage)
+            else:
+                self.backward(a.microbatch, a.stage, split=a.kind == "I")
 
     def _send(self, channel: Channel, i: int, value: Any) -> None:
         self.ctx.wire.send(channel, i, value)
@@ -140,7 +150,9 @@ class StepRun:
             return sum((t.sum() for t in out.tensors if t.is_floating_point()), loss.new_zeros(())) * 0.0
         return loss * (mine / whole)
 
-    def backward(self, i: int, s: int) -> None:
+    def backward(self, i: int, s: int, split: bool = False) -> None:
+        """B of micro-batch `i` on stage `s`; `split`: I, the inputs' gradients only (sent on at
+        once), leaving the weights' to `weights_backward` (W)."""
         layout, plan, wire, tracker = self.layout, self.layout.channels, self.ctx.wire, self.trackers[i]
         out = self.kept.pop((i, s))
         grads: tuple[Any, ...] = ()
@@ -155,19 +167,52 @@ class StepRun:
         else:  # an output the next stage did not use gets a zero gradient (skip gradients may still flow)
             roots = [(t, g if g is not None else torch.zeros_like(t))
                      for t, g in zip(out.tensors, grads) if t.requires_grad]
-        if roots:
-            # ZeRO-3 stages: replicated gradients stay unreduced until the stage's last backward
-            # of the step, so they are averaged over dp once per step, not once per micro-batch
-            defer = layout.shard_parameters and (i, s) != self.last_backward.get(s)
-            with no_sync(self.ctx.partitions[str(s)]) if defer else nullcontext():
+        split = split and not self._whole(i)
+        leaves = self.inputs.pop((i, s)) if s > 0 else ()
+        popped = [tracker.inbox.get(key) for key in plan.popped_at[s]] if split else []
+        got: list[Optional[Tensor]] = []
+        if roots and split:
+            wanted = [t for t in (*leaves, *popped) if t is not None]
+            with self._deferring(i, s):
+                got, self.weight_grads[(i, s)] = backward_input([t for t, _ in roots], [g for _, g in roots], wanted)
+        elif roots:
+            with self._deferring(i, s):
                 torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
         del out, roots
         tracker.release(plan.stashed_at[s])
+        if split:  # the gradients backward_input returned, in the order asked, None where none came
+            found = iter(got or [None] * sum(t is not None for t in (*leaves, *popped)))
+            leaf_grads = [next(found) for _ in leaves]
+            skip_grads = [next(found) if t is not None else None for t in popped]
+            if s > 0:
+                self._send(plan.gradient[s], i, tuple(leaf_grads))
+            for key, g in zip(plan.popped_at[s], skip_grads):
+                tracker.inbox.pop(key)
+                self._send(plan.skip_grad[key], i, g)
+            return
         if s > 0:
-            leaves = self.inputs.pop((i, s))
             self._send(plan.gradient[s], i, tuple(t.grad if t.requires_grad else None for t in leaves))
         for key in plan.popped_at[s]:
             self._send(plan.skip_grad[key], i, tracker.popped_grad(key))
+
+    def _whole(self, i: int) -> bool:
+        """Whether micro-batch `i`'s backward runs whole even where the schedule splits it: a
+        checkpointed micro-batch's stage recomputes and runs its backward inside one autograd
+        node (`_checkpoint`), which cannot be cut in two; its I does it all and its W nothing."""
+        return i < self.checkpoint_stop
+
+    def weights_backward(self, i: int, s: int) -> None:
+        """W of micro-batch `i` on stage `s`: the weights' gradients its I left."""
+        weight_grad = self.weight_grads.pop((i, s), None)
+        if weight_grad is not None:
+            with self._deferring(i, s):
+                weight_grad.run()
+
+    def _deferring(self, i: int, s: int) -> Any:
+        """ZeRO-3 stages: replicated gradients stay unreduced until the stage's last backward (or
+        W) of the step, so they are averaged over dp once per step, not once per micro-batch."""
+        defer = self.layout.shard_parameters and (i, s) != self.last_backward.get(s)
+        return no_sync(self.ctx.partitions[str(s)]) if defer else nullcontext()
 
     def whole_loss(self) -> Optional[Tensor]:
         """The step's loss on the last stage's rank (None elsewhere): under cp, this rank's share
