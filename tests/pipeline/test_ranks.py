@@ -173,6 +173,7 @@ def _transparency(schedule: str, balance: list[int], chunks: int) -> list[int]:
     (2, "zero_bubble", [2, 2, 2, 2]),  # interleaved zero bubble
     (2, "zbv", [2, 2, 2, 2]),  # V: stages 0 and 3 on rank 0, 'long' from stage 0 to 3 stays on rank 0
     (4, "zbv", [1] * 8),
+    (2, "dualpipev", [2, 2, 2, 2]),
 ])
 def test_pipeline_equals_the_plain_module(world: int, schedule: str, balance: list[int]) -> None:
     counted = run_distributed(_transparency, world, schedule, balance, 4)
@@ -455,10 +456,16 @@ def test_argument_errors_name_the_values_and_the_fix() -> None:
     with pytest.raises(ValueError, match=r"2 problems with the DistributedPipe arguments:\n"
                                          r"  - dp_dim='dp' is not a dim of the mesh .*\n"
                                          r"  - schedule='zb' is not one of \('gpipe', '1f1b', 'interleaved', "
-                                         r"'looped_bfs', 'zero_bubble', 'zbv'\)"):
+                                         r"'looped_bfs', 'zero_bubble', 'zbv', 'dualpipev'\)"):
         DistributedPipe(skip_model(), [5, 3], mesh, schedule="zb", dp_dim="dp")
     with pytest.raises(ValueError, match=r"dp_dim='pp' is also the pp dim: averaging gradients over it would mix"):
         DistributedPipe(skip_model(), [5, 3], mesh, dp_dim="pp")  # silently averaged stages' gradients
+    with pytest.raises(ValueError, match=r"schedule='zbv' places stages in a V, two on each pp rank \(rank k holds "
+                                         r"stages k and 3-k\), so balance needs 4 entries for 2 pp ranks, got 3 stages"
+                                         r" per rank"):
+        DistributedPipe(skip_model(), [1, 2, 1, 2, 1, 1], mesh, schedule="zbv")
+    with pytest.raises(ValueError, match=r"chunks \(3\) must be at least 4: use chunks=4, or schedule='zbv'"):
+        DistributedPipe(skip_model(), [2, 2, 2, 2], mesh, schedule="dualpipev", chunks=3)
     with pytest.raises(ValueError, match=r"chunks \(3\) must be a multiple of 2"):
         DistributedPipe(skip_model(), [2, 2, 2, 2], mesh, schedule="interleaved", chunks=3)
     with pytest.raises(ValueError, match=r"module and sum of balance have different length \(module: 8, sum of "

@@ -9,7 +9,8 @@ import doctest
 import pytest
 
 from shardwise.pipeline import (Action, Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble, clock_cycles)
+                                ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
+                                clock_cycles)
 from shardwise.pipeline import _schedule
 
 
@@ -26,17 +27,17 @@ def assert_valid(s: Schedule) -> None:
         for a in actions:
             assert a not in when, f"{a} runs twice"
             when[a] = tick
-    back = "I" if any(a.kind == "I" for a in when) else "B"  # (a split backward: I, then W)
-    assert set(when) == {Action(k, i, j) for k in ("F" + back + ("W" if back == "I" else "")) for i in range(m)
-                         for j in range(p)}
+    # each backward whole (B) or split in two, I then W
+    back = {(i, j): "I" if Action("I", i, j) in when else "B" for i in range(m) for j in range(p)}
+    assert set(when) == {Action(k, i, j) for (i, j), b in back.items() for k in ("F", b, "W")[:2 + (b == "I")]}
     for i in range(m):
         for j in range(p):
             if j > 0:
                 assert when[Action("F", i, j)] > when[Action("F", i, j - 1)]
-            assert when[Action(back, i, j)] > when[Action("F", i, j)]
+            assert when[Action(back[i, j], i, j)] > when[Action("F", i, j)]
             if j < p - 1:
-                assert when[Action(back, i, j)] > when[Action(back, i, j + 1)]
-            if back == "I":
+                assert when[Action(back[i, j], i, j)] > when[Action(back[i, j + 1], i, j + 1)]
+            if back[i, j] == "I":
                 assert when[Action("W", i, j)] > when[Action("I", i, j)]
     for rank in range(s.num_ranks):
         mine = sorted((a for a in when if s.stage_rank(a.stage) == rank), key=when.__getitem__)
@@ -188,6 +189,9 @@ def test_zero_bubble_and_looped_schedules_are_valid_on_many_sizes(r: int, m: int
         assert_valid(s)
     v = ScheduleZBVZeroBubble(r, m)
     assert [v.stage_rank(j) for j in range(2 * r)] == [*range(r), *reversed(range(r))]
+    dual = ScheduleDualPipeV(r, 2 * r + m)  # (at least 2r micro-batches)
+    assert_valid(dual)
+    assert dual.bubble_fraction() <= ScheduleZBVZeroBubble(r, 2 * r + m).bubble_fraction() + 1e-12
 
 
 @pytest.mark.parametrize("r", range(2, 8))
@@ -247,6 +251,8 @@ def test_schedules_are_frozen_values_with_round_tripping_repr() -> None:
     (lambda: ScheduleGPipe(2.0, 2), "num_stages=2.0"),
     (lambda: ScheduleInterleaved1F1B(0, 0, 4), "num_ranks=0, virtual_stages=0"),
     (lambda: clock_cycles(0, 2), "num_microbatches=0"),
+    (lambda: ScheduleDualPipeV(2, 3), "num_microbatches (3) must be at least 4 for 2 ranks: use 4 or more, or "
+                                      "ScheduleZBVZeroBubble"),
     (lambda: ScheduleInterleaved1F1B(2, 2, 3),
      "num_microbatches (3) must be a multiple of num_ranks (2): use 4 micro-batches, or Schedule1F1B"),
     (lambda: ScheduleGPipe(2, 2).stage_rank(2), "stage 2 is out of range for ScheduleGPipe(num_stages=2, num_microbatches=2): "

@@ -13,7 +13,7 @@ from ._topology import Topology
 
 __all__ = ["SCHEDULES", "check_arguments", "check_staged"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zero_bubble", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
 LOOPED = ("interleaved", "looped_bfs", "zero_bubble")  # several stages per rank, stage s on rank s % pp
 
 
@@ -90,15 +90,19 @@ def _schedule_problems(pp: int, schedule: str, virtual_stages: Optional[int], nu
             if schedule == "interleaved" and isinstance(chunks, int) and chunks > 0 and chunks % pp:
                 problems.append(f"interleaved 1F1B sends micro-batches through the ranks in groups of {pp}, so "
                                 f"chunks ({chunks}) must be a multiple of {pp}")
-        elif schedule == "zbv":
+        elif schedule in ("zbv", "dualpipev"):
             if num_stages != 2 * pp:
                 per = f"{num_stages // pp} stages per rank" if num_stages % pp == 0 else f"{num_stages} stages"
-                problems.append(f"schedule='zbv' places stages in a V, two on each pp rank (rank k holds stages k and "
-                                f"{2 * pp - 1}-k), so balance needs {2 * pp} entries for {pp} pp ranks, got {per}: "
+                problems.append(f"schedule={schedule!r} places stages in a V, two on each pp rank (rank k holds stages k "
+                                f"and {2 * pp - 1}-k), so balance needs {2 * pp} entries for {pp} pp ranks, got {per}: "
                                 f"split the model into {2 * pp} stages, or use schedule='zero_bubble' for another "
                                 "number per rank")
             if virtual_stages not in (None, 2):
-                problems.append(f"virtual_stages={virtual_stages}: schedule='zbv' holds exactly 2 stages per rank")
+                problems.append(f"virtual_stages={virtual_stages}: schedule={schedule!r} holds exactly 2 stages per rank")
+            if schedule == "dualpipev" and isinstance(chunks, int) and 0 < chunks < 2 * pp:
+                problems.append(f"schedule='dualpipev' fills the V with 2 * pp micro-batches before its steady state, "
+                                f"so chunks ({chunks}) must be at least {2 * pp}: use chunks={2 * pp}, or "
+                                "schedule='zbv'")
         else:
             if num_stages != pp:
                 problems.append(f"schedule={schedule!r} runs one stage per pp rank, so balance needs {pp} entries "

@@ -26,7 +26,7 @@ from .._mesh import DryMesh, as_device_mesh
 from ._arguments import check_arguments, check_staged
 from ._channels import ChannelPlan
 from ._pipe import as_given_by_torchgpipe
-from ._schedule import (Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+from ._schedule import (Schedule, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                         ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 from ._stage import split_module
 from ._tensor_parallel import check_tp_plan
@@ -119,6 +119,7 @@ def plan_pipe(module: nn.Sequential, balance: Any, mesh: Any, *, pp_dim: str, dp
                       ScheduleLoopedBFS(pp, len(balance) // pp, chunks) if schedule == "looped_bfs" else
                       ScheduleInterleavedZeroBubble(pp, len(balance) // pp, chunks) if schedule == "zero_bubble" else
                       ScheduleZBVZeroBubble(pp, chunks) if schedule == "zbv" else
+                      ScheduleDualPipeV(pp, chunks) if schedule == "dualpipev" else
                       ScheduleInterleaved1F1B(pp, len(balance) // pp, chunks))
     stage_device = torch.device(device) if device is not None else _default_device(stage_mesh)
     skip_routes = inspect_skip_layout(partitions)

@@ -104,8 +104,8 @@ class DistributedPipe(nn.Module):
         module: the layers, in order (`@skippable` layers may stash and pop across stages).
         balance: layers per stage; `len(balance)` stages, the pp size of them for `"gpipe"`
             and `"1f1b"`, a multiple of it for `"interleaved"`, `"looped_bfs"` and
-            `"zero_bubble"` (stage `s` on pp rank `s % pp`), twice it for `"zbv"` (rank `k`
-            holds stages `k` and `2 pp - 1 - k`).
+            `"zero_bubble"` (stage `s` on pp rank `s % pp`), twice it (rank `k`
+            holds stages `k` and `2 pp - 1 - k`) for `"zbv"` and `"dualpipev"`.
         mesh: a `DeviceMesh` with dim `pp_dim`, and optionally data- and tensor-parallel dims;
             or a list of one DeviceMesh per pp index, each `("tp",)` or `("dp", "tp")` over
             its own ranks, the tp sizes free (a 4-wide stage may feed a 2-wide one).
@@ -129,7 +129,8 @@ class DistributedPipe(nn.Module):
             `virtual_stages` stages per rank; `chunks` must be a multiple of the pp size),
             `"looped_bfs"`, or the zero-bubble ones, whose backwards run in two halves (the
             inputs' gradients, then the weights'): `"zero_bubble"` (ZB-H1 with one stage per
-            rank, interleaved with several) and `"zbv"` (two stages per rank in a V).
+            rank, interleaved with several), `"zbv"` and `"dualpipev"` (two stages per rank in
+            a V; DualPipeV needs `chunks >= 2 * pp`).
         chunks: micro-batches per step (`Tensor.chunk` along dim 0; each must be non-empty).
         checkpoint: `"always"`, `"except_last"` (every micro-batch but the last) or `"never"`.
         loss_fn: `loss_fn(output, target)` (or `loss_fn(output)`), a mean over the micro-batch.

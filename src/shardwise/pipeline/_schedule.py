@@ -56,7 +56,7 @@ import functools
 from dataclasses import dataclass
 
 __all__ = ["Action", "Schedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
-           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "clock_cycles"]
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "clock_cycles"]
 
 KINDS = {"F": "forward", "B": "backward", "I": "backward of the inputs' gradients",
          "W": "backward of the weights' gradients"}
@@ -265,15 +265,8 @@ class ScheduleInterleavedZeroBubble(Schedule):
                 f"num_microbatches={self.num_microbatches})")
 
 
-class ScheduleZBVZeroBubble(Schedule):
-    """ZB-V (Qi et al. 2024): two stages per rank in a V, rank `k` holding stages `k` and
-    `2r-1-k`; backwards split into I and W, the order from the zero-bubble policy (module
-    docstring), holding at most `2r` (micro-batch, stage) pairs' activations per rank (1F1B's
-    memory: `r` micro-batches of a whole rank's layers). Any `num_microbatches >= 1`."""
-
-    def __init__(self, num_ranks: int, num_microbatches: int) -> None:
-        _check_sizes(num_ranks=num_ranks, num_microbatches=num_microbatches)
-        super().__init__(2 * num_ranks, num_microbatches, num_ranks)
+class _VShape(Schedule):
+    """Two stages per rank in a V: rank `k` holds stages `k` and `2r-1-k`."""
 
     def stage_rank(self, stage: int) -> int:
         super().stage_rank(stage)  # (checks the stage)
@@ -282,6 +275,17 @@ class ScheduleZBVZeroBubble(Schedule):
     def rank_stages(self, rank: int) -> list[int]:
         self._check_rank(rank)
         return [rank, self.num_stages - 1 - rank]
+
+
+class ScheduleZBVZeroBubble(_VShape):
+    """ZB-V (Qi et al. 2024): two stages per rank in a V, rank `k` holding stages `k` and
+    `2r-1-k`; backwards split into I and W, the order from the zero-bubble policy (module
+    docstring), holding at most `2r` (micro-batch, stage) pairs' activations per rank (1F1B's
+    memory: `r` micro-batches of a whole rank's layers). Any `num_microbatches >= 1`."""
+
+    def __init__(self, num_ranks: int, num_microbatches: int) -> None:
+        _check_sizes(num_ranks=num_ranks, num_microbatches=num_microbatches)
+        super().__init__(2 * num_ranks, num_microbatches, num_ranks)
 
     def activation_bound(self, rank: int) -> int:
         return min(2 * self.num_microbatches, 2 * self.num_ranks)
@@ -292,6 +296,77 @@ class ScheduleZBVZeroBubble(Schedule):
 
     def __repr__(self) -> str:
         return f"ScheduleZBVZeroBubble(num_ranks={self.num_ranks}, num_microbatches={self.num_microbatches})"
+
+
+class ScheduleDualPipeV(_VShape):
+    """DualPipeV (DeepSeek's DualPipe folded into a V by Sea AI Lab): two stages per rank in a
+    V, as ScheduleZBVZeroBubble. A rank warms up on its first stage, then on both, then pairs
+    a forward of one stage with a backward of the other (the pairs DualPipe overlaps with the
+    other's communication; here one after the other), and cools down with backwards whose
+    W it defers, running the deferred W in order where it would wait. Needs
+    `num_microbatches >= 2 * num_ranks`."""
+
+    def __init__(self, num_ranks: int, num_microbatches: int) -> None:
+        _check_sizes(num_ranks=num_ranks, num_microbatches=num_microbatches)
+        if num_microbatches < 2 * num_ranks:
+            raise ValueError(f"DualPipeV fills the V with 2 * num_ranks micro-batches before its steady state, so "
+                             f"num_microbatches ({num_microbatches}) must be at least {2 * num_ranks} for "
+                             f"{num_ranks} ranks: use {2 * num_ranks} or more, or ScheduleZBVZeroBubble")
+        super().__init__(2 * num_ranks, num_microbatches, num_ranks)
+
+    def rank_order(self, rank: int) -> list[Action]:
+        self._check_rank(rank)
+        r, m = self.num_ranks, self.num_microbatches
+        stages = self.rank_stages(rank)  # phase 0 goes down the V, phase 1 comes back up
+        order: list[Action] = []
+        forwards, backwards = [0, 0], [0, 0]
+        deferred: list[Action] = []
+
+        def forward(phase: int) -> None:
+            order.append(Action("F", forwards[phase], stages[phase]))
+            forwards[phase] += 1
+
+        def backward(phase: int, split: bool = False) -> None:
+            i = backwards[phase]
+            backwards[phase] += 1
+            order.append(Action("I" if split else "B", i, stages[phase]))
+            if split:
+                deferred.append(Action("W", i, stages[phase]))
+
+        def weight() -> None:
+            order.append(deferred.pop(0))
+
+        for _ in range(2 * (r - rank - 1)):  # warm-up on the first stage
+            forward(0)
+        for _ in range(rank + 1):  # then on both
+            forward(0)
+            forward(1)
+        for _ in range(r - rank - 1):  # the first backwards come back: I now, W at once
+            backward(1, split=True)
+            weight()
+            forward(1)
+        for _ in range(m - 2 * r + rank + 1):  # steady: F of one stage beside B of the other
+            forward(0)
+            backward(1)
+            forward(1)
+            backward(0)
+        for _ in range(r - rank - 1):
+            backward(1)
+            forward(1)
+            backward(0)
+        last = rank + 1
+        for k in range(last):  # cool-down: the second half defers its W
+            backward(1, split=k > last // 2 or (k == last // 2 and rank % 2 == 1))
+            backward(0, split=k >= last // 2)
+        for _ in range(r - rank - 1):
+            weight()
+            backward(0, split=True)
+        while deferred:
+            weight()
+        return order
+
+    def __repr__(self) -> str:
+        return f"ScheduleDualPipeV(num_ranks={self.num_ranks}, num_microbatches={self.num_microbatches})"
 
 
 def clock_cycles(num_microbatches: int, num_partitions: int) -> list[list[tuple[int, int]]]:
