@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 import shardwise
-from shardwise.pipeline import ScheduleGPipe, Schedule1F1B, Timeline, TimelineEvent, current_timeline
+from shardwise.pipeline import (Schedule, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble, Timeline,
+                                TimelineEvent, current_timeline)
 from shardwise.pipeline import _timeline
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -145,10 +147,29 @@ def test_extend_merges_events_recorded_elsewhere() -> None:
     assert a.events == [TimelineEvent(0, 0, 0, "F", 1.0, 2.0), TimelineEvent(1, 1, 0, "F", 2.0, 3.0)]
 
 
+@pytest.mark.parametrize("schedule", [ScheduleGPipe(3, 4), Schedule1F1B(4, 8), ScheduleInterleaved1F1B(2, 2, 4),
+                                      ScheduleInterleavedZeroBubble(4, 1, 8), ScheduleZBVZeroBubble(2, 4),
+                                      ScheduleDualPipeV(2, 4), ScheduleLoopedBFS(2, 2, 3)], ids=repr)
+def test_a_costed_timeline_of_a_schedule_measures_the_schedules_own_bubble(schedule: Schedule) -> None:
+    costed = Timeline.from_schedule(schedule, costed=True)
+    assert costed.bubble_fraction() == pytest.approx(schedule.bubble_fraction(), abs=1e-12)
+    kinds = {e.kind for e in costed.events}
+    assert kinds <= set("FBIW") and ("W" in kinds) == ("I" in kinds)
+
+
+def test_a_measured_bubble_counts_each_rows_idle_time_once() -> None:
+    tl = Timeline()
+    for rank, stage, kind, start, end in [(0, 0, "F", 0.0, 1.0), (0, 0, "I", 1.0, 2.0), (0, 0, "W", 3.0, 4.0),
+                                          (1, 1, "F", 1.0, 2.0), (1, 1, "F", 1.5, 2.5)]:  # (overlap counted once)
+        tl.record(rank, stage, 0, kind, start, end)
+    assert tl.bubble_fraction() == pytest.approx(1 - (3.0 + 1.5) / 8.0)
+    assert Timeline().bubble_fraction() == 0.0
+
+
 def test_recording_errors() -> None:
     tl = Timeline()
-    with pytest.raises(ValueError, match="kind must be 'F' or 'B', got 'W'"):
-        tl.record(0, 0, 0, "W", 0.0, 1.0)
+    with pytest.raises(ValueError, match="kind must be one of 'F', 'B', 'I', 'W', got 'X'"):
+        tl.record(0, 0, 0, "X", 0.0, 1.0)
     with pytest.raises(ValueError, match="ends before it starts: start=2.0, end=1.0"):
         tl.record(0, 0, 0, "F", 2.0, 1.0)
     with pytest.raises(ValueError, match="no events to draw"):

@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import Union
 
 from .._png import Colour, canvas, draw_text, encode_png, fill_rect, text_width
-from ._schedule import Schedule
+from ._schedule import KINDS, Schedule, _simulate
 
 __all__ = ["TimelineEvent", "Timeline", "current_timeline"]
 
@@ -36,8 +36,9 @@ RankKey = Union[int, str]  # a rank, or a device name such as "cuda:1"
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """Stage `stage` ran the forward ("F") or backward ("B") of `microbatch` on `rank`
-    (a rank or a device name) from `start` to `end` seconds."""
+    """Stage `stage` ran the forward ("F") or backward ("B"; or its halves, "I" the inputs'
+    gradients and "W" the weights') of `microbatch` on `rank` (a rank or a device name) from
+    `start` to `end` seconds."""
 
     rank: RankKey
     stage: int
@@ -63,7 +64,7 @@ class Timeline:
 
     # PNG geometry, in pixels (see `png_size`)
     MARGIN, LABEL_GAP, ROW_HEIGHT, ROW_GAP = 6, 6, 11, 3
-    COLOURS: dict[str, Colour] = {"F": (66, 133, 244), "B": (52, 168, 83)}
+    COLOURS: dict[str, Colour] = {"F": (66, 133, 244), "B": (52, 168, 83), "I": (129, 201, 149), "W": (251, 188, 4)}
     IDLE: Colour = (235, 235, 235)
 
     def __init__(self) -> None:
@@ -72,8 +73,8 @@ class Timeline:
 
     def record(self, rank: RankKey, stage: int, microbatch: int, kind: str, start: float, end: float) -> None:
         """Add one event (thread-safe)."""
-        if kind not in ("F", "B"):
-            raise ValueError(f"timeline event kind must be 'F' or 'B', got {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"timeline event kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
         for name, t in (("start", start), ("end", end)):
             if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
                 raise TypeError(f"timeline event {name} must be a time in seconds (a number), got {t!r}")
@@ -104,13 +105,31 @@ class Timeline:
             return sorted(self._events, key=lambda e: (e.start, _row_key(e.rank)))
 
     @classmethod
-    def from_schedule(cls, schedule: Schedule) -> Timeline:
-        """The schedule's ticks as a timeline: tick `k` is the span [k, k + 1)."""
+    def from_schedule(cls, schedule: Schedule, costed: bool = False) -> Timeline:
+        """The schedule's ticks as a timeline: tick `k` is the span [k, k + 1). `costed`: each
+        action lasts its cost instead (`_schedule.COST`: a backward two forwards), as
+        `Schedule.bubble_fraction` prices it."""
         tl = cls()
-        for tick, actions in enumerate(schedule.ticks()):
-            for a in actions:
-                tl.record(schedule.stage_rank(a.stage), a.stage, a.microbatch, a.kind, float(tick), tick + 1.0)
+        for a, start, end in _simulate(schedule, costed):
+            tl.record(schedule.stage_rank(a.stage), a.stage, a.microbatch, a.kind, float(start), float(end))
         return tl
+
+    def bubble_fraction(self) -> float:
+        """The idle fraction of the rows' time from the first start to the last end: what a
+        run's bubbles cost (0.0 with no events). Compare it with the schedule's
+        `bubble_fraction()`, the same fraction on its cost model."""
+        events = self.events
+        if not events:
+            return 0.0
+        first, last = min(e.start for e in events), max(e.end for e in events)
+        busy = 0.0
+        for row in self.rows():  # each row's events, overlaps counted once
+            reach = first
+            for e in (e for e in events if e.rank == row):
+                busy += max(0.0, e.end - max(e.start, reach))
+                reach = max(reach, e.end)
+        span = (last - first) * len(self.rows())
+        return 1.0 - busy / span if span > 0 else 0.0
 
     def __enter__(self) -> Timeline:
         with _active_lock:
