@@ -66,7 +66,9 @@ def test_shardwise_run_ft_restarts_only_the_failed_group_which_heals_from_the_li
     assert "healed 1 time(s)" in found["group1"] and "(10 in this life" not in found["group1"], found
     checksums = {line.rsplit(" ", 1)[1] for line in found.values()}
     assert len(checksums) == 1, found  # the same parameters, bit for bit
-    assert "left {'group1'" in done.stderr and "group1 heals from group0" in done.stderr, done.stderr[-3000:]
+    # (the group leaves the quorum, unless torchrun restarts it within the heartbeat timeout: then it is
+    # waited for, asks again behind the others and heals in the very step it was killed in)
+    assert "group1 heals from group0" in done.stderr, done.stderr[-3000:]
     # each group reports its steps and goodput
     for rid, steps, healed in (("group0", "10", "0"), ("group1", r"\d", "1")):
         assert re.search(rf"\[shardwise.ft {rid} rank 0\] {steps} steps committed and \d+ discarded in [\d.]+ s: "

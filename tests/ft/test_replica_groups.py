@@ -264,6 +264,9 @@ def test_a_killed_group_leaves_the_others_training_and_heals_from_a_live_one_on_
         survivors = [p for rid in groups if rid != "b" for p in launch.start(rid, 0, wait_at=(6, f"b{size - 1}.ready1"))]
         victim = launch.start("b", 0, kill_at=3)
         assert launch.wait_failed(victim) == -signal.SIGKILL
+        # restarted once the others went on without it (a restart within the heartbeat timeout is
+        # waited for, and heals in the step it was killed in: the others would not go on alone)
+        _wait_for([tmp_path / "a0.commit3"])
         restarted = launch.start("b", 1)  # as `shardwise run --ft` restarts a failed group, alone
         for p in (*survivors, *restarted):
             p.join(240)

@@ -24,6 +24,17 @@ def _pid() -> int:
     return os.getpid()
 
 
+def _make_groups(n: int) -> int:
+    groups = [dist.new_group([0, 1]) for _ in range(n)]  # kept: a test's meshes keep theirs too
+    for g in groups:
+        dist.barrier(group=g)
+    _KEPT.extend(groups)
+    return os.getpid()
+
+
+_KEPT: list[object] = []
+
+
 def _all_reduce_rank(scale: float) -> tuple[int, int, list[float]]:
     t = torch.full((2,), dist.get_rank() * scale)
     dist.all_reduce(t)
@@ -189,6 +200,18 @@ def test_ranks_out_of_step_get_a_warning_and_a_fresh_pool() -> None:
         run_distributed(_rank_0_issues_an_extra_collective, 2)
     after = run_distributed(_pid, 2)
     assert not set(before) & set(after), "the pool should have been replaced"
+
+
+def test_workers_that_hold_many_threads_are_replaced_before_the_next_run() -> None:
+    # every gloo group keeps threads that wake up on their own; past WORN_THREADS the pool goes
+    shardwise.testing.shutdown_pools()  # (from fresh workers: earlier tests' groups count too)
+    before = run_distributed(_pid, 2)
+    assert run_distributed(_make_groups, 2, 4) == before  # a few groups: the same workers go on
+    assert run_distributed(_pid, 2) == before
+    assert run_distributed(_make_groups, 2, 50) == before  # 50 groups: 150 threads more, worn ...
+    after = run_distributed(_all_reduce_rank, 2, 1.0)  # ... so the next run has fresh workers
+    assert after == [(0, 2, [1.0, 1.0]), (1, 2, [1.0, 1.0])]
+    assert not set(before) & set(run_distributed(_pid, 2))
 
 
 def test_body_that_destroys_the_default_group_gets_a_fresh_pool() -> None:

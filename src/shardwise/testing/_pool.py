@@ -38,6 +38,10 @@ __all__ = ["pool_for", "shutdown_pools"]
 
 GRACE = 1.0  # seconds the other ranks get to report after the first failure
 STOP_WAIT = 2.0  # seconds a worker gets to exit before it is killed
+# Past this many threads in a worker, its pool is replaced before the next task. Every gloo group a
+# body makes keeps three threads that wake up on their own: after a few hundred groups, idle
+# workers held a fifth of a core each, which a long suite on two cores pays for every test after.
+WORN_THREADS = 128
 
 
 def shutdown_pools() -> None:
@@ -64,6 +68,7 @@ class _Pool:
         self._dir = tempfile.TemporaryDirectory(prefix=f"shardwise-pool{world_size}-")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []  # multiprocessing's SpawnProcess
+        self.worn = False  # a worker holds more than WORN_THREADS threads: replace the pool
 
     @classmethod
     def start(cls, world_size: int) -> _Pool:
@@ -121,6 +126,7 @@ class _Pool:
         if failures or pending:
             self._fail(name, failures, pending, f"did not finish within {timeout:g} s")
         self._check_in_step(name, done)
+        self.worn = max(d.threads for d in done.values()) > WORN_THREADS
         return [done[rank].value for rank in range(self.world_size)]
 
     def ask_to_exit(self) -> None:
@@ -286,9 +292,12 @@ def pool_for(world_size: int) -> _Pool:
     """The live pool for `world_size`, started (or replaced, if a worker died) as needed."""
     __tracebackhide__ = True
     pool = _pools.get(world_size)
-    if pool is not None and pool.alive():
+    if pool is not None and pool.alive() and not pool.worn:
         return pool
     if pool is not None:
+        if pool.worn:  # idle and well: let its workers leave their group before they are stopped
+            pool.ask_to_exit()
+            pool.join(time.monotonic() + STOP_WAIT)
         pool.kill()
         del _pools[world_size]
     pool = _Pool.start(world_size)

@@ -27,6 +27,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,11 +50,13 @@ HARNESS_DIR = os.path.dirname(__file__)  # frames from here are the harness's, n
 class Done:
     """A task returned `value`; `counts` maps process-group name to collectives issued so far.
 
-    `counts` is None when the default process group is gone (the body destroyed it).
+    `counts` is None when the default process group is gone (the body destroyed it);
+    `threads` is how many threads the worker holds (each gloo group it joined keeps some).
     """
 
     value: Any
     counts: Optional[dict[str, int]]
+    threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,9 +110,17 @@ def _run(frame: bytes) -> bytes:
         return pickle.dumps(_raised(exc), pickle.HIGHEST_PROTOCOL)
     counts = _collective_counts() if dist.is_initialized() else None
     try:
-        return pickle.dumps(Done(value, counts), pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(Done(value, counts, _threads()), pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         return pickle.dumps(Raised(f"returned {type(value).__name__} that cannot be pickled: {exc}", ""))
+
+
+def _threads() -> int:
+    """This process's threads, the native ones included (Linux), else the Python ones."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
 
 
 def _raised(exc: BaseException) -> Raised:
