@@ -41,7 +41,7 @@ STOP_WAIT = 2.0  # seconds a worker gets to exit before it is killed
 # Past this many threads in a worker, its pool is replaced before the next task. Every gloo group a
 # body makes keeps three threads that wake up on their own: after a few hundred groups, idle
 # workers held a fifth of a core each, which a long suite on two cores pays for every test after.
-WORN_THREADS = 128
+WORN_THREADS = 64
 
 
 def shutdown_pools() -> None:
