@@ -6,7 +6,8 @@ tensor's name in the model it was cut from. A Llama built on meta is cut into 2 
 split over tp=2 (4 ranks), materialised with `pipe.to_empty`, and filled: every tensor a rank
 holds equals transformers' own load bitwise, the rotary tables no file holds are recomputed,
 no rank reads more than 1.05x its pieces' bytes, and the pipeline's logits match the loaded
-model's. GPT-2 over 2 stages puts the embedding on stage 0 and the LM head tied to it on
+model's, whether the tp styles give DTensor or local outputs. Cut into 4 stages of one layer,
+each rank materialises and fills only its own. GPT-2 over 2 stages puts the embedding on stage 0 and the LM head tied to it on
 stage 1: the head is read from the embedding's bytes.
 """
 
@@ -44,11 +45,11 @@ def _held(model: Any, pipe: Any) -> dict[str, torch.Tensor]:
     return held
 
 
-def _llama_pipeline(path: str) -> int:
+def _llama_pipeline(path: str, local: bool = False) -> int:
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    col, row = sw.parallel.ColwiseParallel(use_local_output=False), sw.parallel.RowwiseParallel(use_local_output=False)
+    col, row = sw.parallel.ColwiseParallel(use_local_output=local), sw.parallel.RowwiseParallel(use_local_output=local)
     plan = {"layer*.layer.self_attn.[qkv]_proj": col, "layer*.layer.self_attn.o_proj": row,
             "layer*.layer.mlp.[gu]*_proj": col, "layer*.layer.mlp.down_proj": row}
     pipe = DistributedPipe(hf_sequential(model), [2, 2], mesh, tp_plan=plan)
@@ -80,11 +81,40 @@ def _llama_pipeline(path: str) -> int:
     return read
 
 
-def test_a_llama_built_on_meta_as_two_tensor_parallel_stages_is_filled_by_load_pretrained(llama_dir: Path) -> None:
-    read = run_distributed(_llama_pipeline, 4, str(llama_dir), timeout=300)
+@pytest.mark.parametrize("local", [False, True], ids=["dtensor-outputs", "local-outputs"])
+def test_a_llama_built_on_meta_as_two_tensor_parallel_stages_is_filled_by_load_pretrained(llama_dir: Path,
+                                                                                         local: bool) -> None:
+    read = run_distributed(_llama_pipeline, 4, str(llama_dir), local, timeout=300)
     whole = sum(v.numel() * 4 for v in transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
                 .state_dict().values())
     assert max(read) < whole / 2  # each rank reads a quarter of the model, give or take the embeddings
+
+
+def _llama_four_stages(path: str) -> int:
+    # built on meta, cut into 4 stages: each rank materialises and fills its own stage only
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    pipe = DistributedPipe(hf_sequential(model), [1, 1, 1, 1], sw.init_device_mesh("cpu", (4,), mesh_dim_names=("pp",)),
+                           schedule="1f1b", chunks=2)
+    pipe.to_empty(device="cpu")
+    assert load_pretrained(pipe, path) == ([], [])
+    want_model = transformers.LlamaForCausalLM.from_pretrained(path)
+    want = want_model.state_dict()
+    held = _held(model, pipe)
+    for name, value in held.items():
+        assert torch.equal(value, want[name]), name
+    ids = torch.randint(0, LLAMA["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    logits = pipe(ids)
+    pipe.close()
+    if logits is not None:
+        torch.testing.assert_close(logits, want_model(ids).logits)
+    return len(held)
+
+
+def test_a_llama_built_on_meta_as_four_stages_holds_only_its_stage_and_loads_bit_equal(llama_dir: Path) -> None:
+    held = run_distributed(_llama_four_stages, 4, str(llama_dir), timeout=300)
+    want = transformers.LlamaForCausalLM.from_pretrained(llama_dir).state_dict()
+    assert sum(held) == len(want) and min(held) > 0  # every tensor on exactly one stage
 
 
 def _gpt2_pipeline(path: str) -> None:
