@@ -44,12 +44,10 @@ from .._mesh import replica_group
 from ._client import QuorumClient
 from ._lighthouse import valid_id
 from ._quorum import Quorum
+from ._transfer import messages_of
 from ._wire import MAX_HEADER_BYTES, pack, unpack
 
 __all__ = ["Manager"]
-
-CHUNK_BYTES = 16 << 20  # the healing transfer's largest message
-
 
 class Manager:
     """Fault tolerance for the replica group this process belongs to.
@@ -296,7 +294,7 @@ class Manager:
     def _send(self, dst: int) -> None:
         header, tensors = pack(self._state())
         sizes = torch.tensor([len(header), len(tensors)], dtype=torch.int64)
-        messages, _ = _messages(tensors, sending=True)
+        messages, _ = messages_of(tensors, sending=True)
         pieces = [sizes, torch.frombuffer(bytearray(header), dtype=torch.uint8), *messages]
         _comm.replica_send(pieces, dst, self._group, self.timeout, "the state of a live group")
 
@@ -315,7 +313,7 @@ class Manager:
         if len(buffers) != count:
             raise _comm.ReplicaError("receiving a live group's state",
                                      ValueError(f"the header lists {len(buffers)} tensors, the sender {count}"))
-        messages, unbundle = _messages(buffers, sending=False)
+        messages, unbundle = messages_of(buffers, sending=False)
         _comm.replica_recv(messages, src, self._group, self.timeout, "a live group's tensors")
         unbundle()
         if not isinstance(state.get("user"), dict) or set(state["user"]) != set(self._user):
@@ -457,51 +455,3 @@ class Manager:
                 except _comm.ReplicaError as exc:
                     self._say(f"could not give this group's state in quorum {quorum.quorum_id}: {exc}")
             self._group = None
-
-
-def _messages(tensors: list[torch.Tensor], sending: bool) -> tuple[list[torch.Tensor], Callable[[], None]]:
-    """The messages that carry `tensors` (contiguous) between two groups, and, receiving, what
-    puts the bundles' bytes into the small tensors once they arrived. A tensor of CHUNK_BYTES or
-    more travels in chunks (views of it, no copy); the small ones (an optimizer's step counts,
-    biases, the RNG state) travel together, their bytes packed into bundles of at most
-    CHUNK_BYTES, so a state of many small tensors is a few messages, not one round trip each.
-    Both sides make the same plan from the tensors' sizes."""
-    messages: list[torch.Tensor] = []
-    bundles: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
-    small: list[torch.Tensor] = []  # the next bundle's tensors, as bytes
-
-    def close() -> None:
-        if small:
-            bundle = torch.cat(small) if sending else torch.empty(sum(r.numel() for r in small), dtype=torch.uint8)
-            messages.append(bundle)
-            bundles.append((bundle, list(small)))
-            small.clear()
-
-    pending = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if nbytes >= CHUNK_BYTES:
-            messages += _chunks(t)
-            continue
-        if pending + nbytes > CHUNK_BYTES:
-            close()
-            pending = 0
-        small.append(t.reshape(-1).view(torch.uint8))
-        pending += nbytes
-    close()
-
-    def unbundle() -> None:
-        for bundle, raw in bundles:
-            offset = 0
-            for r in raw:
-                r.copy_(bundle[offset:offset + r.numel()])
-                offset += r.numel()
-
-    return messages, unbundle
-
-
-def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
-    """`t` (contiguous) as flat views of at most CHUNK_BYTES each."""
-    flat = t.reshape(-1)
-    step = max(1, CHUNK_BYTES // max(1, t.element_size()))
-    return [flat[i:i + step] for i in range(0, flat.numel(), step)]

@@ -125,6 +125,16 @@ class Schedule(abc.ABC):
         busy = sum(end - start for _, start, end in spans)
         return 1.0 - busy / (self.num_ranks * max(end for _, _, end in spans))
 
+    def needs(self, a: Action) -> list[tuple[Action, ...]]:
+        """What `a` waits for: each entry is met by any one of its actions."""
+        i, s = a.microbatch, a.stage
+        if a.kind == "F":
+            return [(Action("F", i, s - 1),)] if s > 0 else []
+        if a.kind == "W":
+            return [(Action("I", i, s),)]
+        gradient = [(Action("B", i, s + 1), Action("I", i, s + 1))] if s < self.num_stages - 1 else []
+        return [(Action("F", i, s),), *gradient]
+
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank {rank!r} is out of range for {self!r}: use a rank in [0, {self.num_ranks - 1}]")
@@ -381,23 +391,12 @@ def clock_cycles(num_microbatches: int, num_partitions: int) -> list[list[tuple[
     return [[(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))] for k in range(m + n - 1)]
 
 
-def _needs(a: Action, last: int) -> list[tuple[Action, ...]]:
-    """What `a` waits for: each entry is met by any one of its actions."""
-    i, s = a.microbatch, a.stage
-    if a.kind == "F":
-        return [(Action("F", i, s - 1),)] if s > 0 else []
-    if a.kind == "W":
-        return [(Action("I", i, s),)]
-    return [(Action("F", i, s),)] + ([(Action("B", i, s + 1), Action("I", i, s + 1))] if s < last else [])
-
-
 @functools.lru_cache(maxsize=256)
 def _simulate(schedule: Schedule, weighted: bool) -> tuple[tuple[Action, int, int], ...]:
     """Run each rank's order, every action as soon as its rank is free and what it needs
-    (`_needs`) has finished; (action, start, end) in the order they start. `weighted`: each
+    (`Schedule.needs`) has finished; (action, start, end) in the order they start. `weighted`: each
     action lasts its `COST`, else one tick."""
     orders = [schedule.rank_order(rank) for rank in range(schedule.num_ranks)]
-    last = schedule.num_stages - 1
     finished: dict[Action, int] = {}
     position, free = [0] * schedule.num_ranks, [0] * schedule.num_ranks
     spans: list[tuple[Action, int, int]] = []
@@ -407,7 +406,7 @@ def _simulate(schedule: Schedule, weighted: bool) -> tuple[tuple[Action, int, in
             if position[rank] == len(order) or free[rank] > tick:
                 continue
             a = order[position[rank]]
-            if all(any(finished.get(n, tick + 1) <= tick for n in need) for need in _needs(a, last)):
+            if all(any(finished.get(n, tick + 1) <= tick for n in need) for need in schedule.needs(a)):
                 free[rank] = finished[a] = tick + (COST[a.kind] if weighted else 1)
                 position[rank] += 1
                 spans.append((a, tick, free[rank]))
@@ -425,7 +424,7 @@ def _zero_bubble_order(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
     the earliest micro-batch (latest stage first), else the ready F of the earliest micro-batch
     (earliest stage first) while it holds fewer than `activation_bound(rank)` (micro-batch,
     stage) pairs between their F and their W, else its earliest pending W; else it waits."""
-    r, m, last = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages - 1
+    r, m = schedule.num_ranks, schedule.num_microbatches
     stages = [schedule.rank_stages(rank) for rank in range(r)]
     bound = [schedule.activation_bound(rank) for rank in range(r)]  # type: ignore[attr-defined]
     finished: dict[Action, int] = {}
@@ -441,7 +440,7 @@ def _zero_bubble_order(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
             ready = [a for kind in "IFW" for i in range(m) for s in stages[rank]
                      for a in (Action(kind, i, s),)
                      if a not in finished and all(any(finished.get(n, tick + 1) <= tick for n in need)
-                                                  for need in _needs(a, last))]
+                                                  for need in schedule.needs(a))]
             inputs = sorted((a for a in ready if a.kind == "I"), key=lambda a: (a.microbatch, -a.stage))
             forwards = sorted((a for a in ready if a.kind == "F"), key=lambda a: (a.microbatch, a.stage))
             weights = sorted((a for a in ready if a.kind == "W"), key=lambda a: (a.microbatch, a.stage))

@@ -6,10 +6,16 @@ modelled time of dry runs (`CostModel`), under a memory budget per rank.
     print(planner.report)                  # every candidate: modelled step time, communication, peak memory
     planner.apply(model, mesh)             # the plan and data parallel / ZeRO-3 on the real mesh
     print(planner.compare(model, {"megatron": MegatronPlanner().build_plan(model), "dp": ("dp",)}))  # 1-D mesh
+
+`plan_pipeline(layers, pp, example_inputs)` chooses a pipeline the same way: stage
+boundaries, micro-batches and schedule by a modelled step, each stage's memory and the
+bubble in its `report()`, and `plan.pipe(layers, mesh, loss_fn=...)` builds it.
 """
 
 from ._auto import AutoPlanner, CandidateLike
 from ._cost import CostModel, StepCost
+from ._pipeline import PipelinePlan, plan_pipeline, step_seconds
 from ._report import AutoPlanReport, Candidate, Comparison
 
-__all__ = ["AutoPlanReport", "AutoPlanner", "Candidate", "CandidateLike", "Comparison", "CostModel", "StepCost"]
+__all__ = ["AutoPlanReport", "AutoPlanner", "Candidate", "CandidateLike", "Comparison", "CostModel", "PipelinePlan",
+           "StepCost", "plan_pipeline", "step_seconds"]
