@@ -1,6 +1,7 @@
 """Planner quality: the AutoPlanner's choice against the Megatron hand plan and pure data parallel, measured.
 
-Two tables: the demo CharGPT, and an unchanged HF Llama (GQA) of the same size. On 4 gloo
+Three tables: the demo CharGPT, and an unchanged HF Llama (GQA) of the same size; and
+`plan_pipeline`'s stage cut against the even split (`planner_pipeline`). On 4 gloo
 ranks, a (4,) mesh (2 in a quick run, see `_world`): the cost model is calibrated on the real groups
 (`CostModel.calibrate`), the planner chooses a role for the mesh dim by dry runs of the demo
 CharGPT's training step, and then three copies of one seeded model train side by side,
@@ -94,8 +95,73 @@ def body(settings: Settings, which: str = "gpt") -> dict[str, Any]:
             "modelled": {k: modelled.get(r) for k, r in roles.items()}, "table": str(planner.report)}
 
 
+def pipeline_body(settings: Settings) -> dict[str, Any]:
+    """`plan_pipeline`'s cut of an MLP whose first block is 8x the others against the even split,
+    on the plan's schedule and micro-batches, trained side by side on the 2 pp ranks."""
+    import torch.distributed as dist
+    from torch import nn
+
+    import shardwise as sw
+    from shardwise.pipeline import DistributedPipe
+    from shardwise.planner import plan_pipeline
+
+    width = 64 if settings.quick else 256
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*(nn.Sequential(nn.Linear(width, h), nn.Tanh(), nn.Linear(h, width))
+                               for h in (8 * width, width, width, width, width, width)))
+
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(64, width, generator=g), torch.randn(64, width, generator=g)
+    plan = plan_pipeline(model(), 2, x)
+    even = next(c for c in plan.candidates if c.schedule == plan.schedule and c.chunks == plan.chunks
+                and c.balance == (3, 3))
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pipes = {name: DistributedPipe(model(), list(c.balance), mesh, schedule=plan.schedule,
+                                   chunks=plan.chunks, loss_fn=torch.nn.functional.mse_loss)
+             for name, c in (("planned", plan), ("even", even))}
+    opts = {k: torch.optim.AdamW(p.parameters(), lr=1e-3) for k, p in pipes.items()}
+
+    def stepper(name: str) -> Any:
+        def step() -> None:
+            opts[name].zero_grad()
+            pipes[name].step(x, t)
+            opts[name].step()
+        return step
+
+    with quiet():
+        samples = interleaved({k: stepper(k) for k in pipes}, max(settings.repeats, 5), before=dist.barrier)
+    for pipe in pipes.values():
+        pipe.close()
+    return {"samples": samples, "schedule": plan.schedule, "chunks": plan.chunks,
+            "balance": {"planned": list(plan.balance), "even": list(even.balance)},
+            "modelled": {"planned": plan.step, "even": even.step}, "width": width}
+
+
 def run(settings: Settings) -> list[Table]:
-    return [_table(settings, which) for which in ("gpt", "llama")]
+    return [*(_table(settings, which) for which in ("gpt", "llama")), _pipeline_table(settings)]
+
+
+def _pipeline_table(settings: Settings) -> Table:
+    from shardwise.testing import run_distributed
+
+    per_rank = run_distributed(pipeline_body, 2, settings, timeout=settings.timeout)
+    first = per_rank[0]
+    rows = []
+    for name in ("planned", "even"):
+        ms = per_repeat_max_median([r["samples"][name] for r in per_rank])
+        rows.append({"split": f"{name} {first['balance'][name]}", "measured_ms": None if ms is None else ms * 1e3,
+                     "modelled_ms": first["modelled"][name] * 1e3})
+    table = Table("planner_pipeline", f"plan_pipeline's cut vs the even split: an MLP of 6 blocks (width "
+                                      f"{first['width']}, the first 8x wider), batch 64 on 2 pp ranks, "
+                                      f"{first['schedule']} with {first['chunks']} micro-batches: ms per step",
+                  [Column("split", "split"), Column("measured_ms", "measured ms", ".2f"),
+                   Column("modelled_ms", "modelled ms", ".2f")], rows)
+    gain = ratio(rows[1]["measured_ms"], rows[0]["measured_ms"])
+    table.notes.append(f"even / planned measured: {'-' if gain is None else f'{gain:.2f}x'} (bar: > 1.0x); modelled "
+                       f"{rows[1]['modelled_ms'] / rows[0]['modelled_ms']:.2f}x")
+    return table
 
 
 def _table(settings: Settings, which: str) -> Table:
