@@ -30,10 +30,12 @@ import torch.distributed as dist
 from .._placement import Partial
 from .._redistribute import Box, overlap, piece_boxes
 from .._tensor import DTensor
+from .._comm import all_gather_ints
 from ._agree import agree
 from ._async import finish_pending
 from ._files import checkpoint_dir
 from ._metadata import Entry, Table
+from ._pieces import fingerprint
 from ._paths import Path, is_stateful, leaves, put_back, show
 from ._storage import NativeReader, StorageReader
 
@@ -81,6 +83,7 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
     tree: dict[str, Any] = {}
     stateful: set[str] = set()
     plans: dict[Path, _Plan] = {}
+    unasked: list[Path] = []
     try:
         table = reader.read_table()
         for value in state_dict.values():
@@ -91,15 +94,21 @@ def load(state_dict: MutableMapping[str, Any], *, checkpoint_id: Union[str, os.P
         tree = {key: state_dict[key].state_dict() if key in stateful else value for key, value in state_dict.items()}
         targets = dict(leaves(tree))
         table = reader.fit(table, targets)
+        unasked = _unexpected(targets, table.entries) if strict else []
         problems = _mismatches(targets, table.entries, strict, reader.casts)
+        if unasked and size == 1:
+            problems.append(_unexpected_problem(unasked))
         if problems:
             raise ValueError(f"cannot load {name} into this state dict; nothing was loaded:\n" + "\n".join(problems))
         plans = _plans(targets, table, reader)
     except Exception as exc:
         error = exc
+    action = f"load from {name.removeprefix('the checkpoint ')}"
     try:
-        agree(f"load from {name.removeprefix('the checkpoint ')}", "checking the checkpoint and the state dict", error, group, size,
-              "nothing was loaded, on any rank")
+        counts = agree(action, "checking the checkpoint and the state dict", error, group, size,
+                       "nothing was loaded, on any rank", len(unasked) if size > 1 else 0)
+        if max(counts) > 0:  # saved paths some rank does not ask for: an error only if no rank asks for them
+            _none_asks(action, unasked, max(counts), group, size)
     except BaseException:
         for optimizer in made:  # back to never having stepped, as it was
             optimizer.state.clear()
@@ -170,15 +179,9 @@ def _mismatches(targets: dict[Path, Any], table: dict[Path, Entry], strict: bool
     problems = []
     if strict:
         missing = [p for p in targets if p not in table]
-        asked = {p[0] for p in targets}  # the top-level entries asked for: the others are not loaded
-        unexpected = [p for p in table if p not in targets and p[0] in asked]
         if missing:
             problems.append(f"  - missing from the checkpoint: {_listed(missing)}: load a checkpoint saved from the "
                             f"same model and optimizer configuration, or pass strict=False to leave these as they are")
-        if unexpected:
-            problems.append(f"  - in the checkpoint but not in the state dict: {_listed(unexpected)}: build the state "
-                            f"dict with these paths, or pass strict=False to skip them (a top-level key the state "
-                            f"dict leaves out is not loaded at all)")
     for path, leaf in targets.items():
         entry = table.get(path)
         if entry is None:
@@ -196,6 +199,32 @@ def _mismatches(targets: dict[Path, Any], table: dict[Path, Entry], strict: bool
                 problems.append(f"  - '{show(path)}': the checkpoint holds torch.{entry.dtype}, the state dict "
                                 f"{leaf.dtype}: make the target torch.{entry.dtype}, load, then convert")
     return problems
+
+
+def _unexpected(targets: dict[Path, Any], table: dict[Path, Entry]) -> list[Path]:
+    """Saved paths under the top-level keys the state dict asks for (the others are not loaded) that it lacks."""
+    asked = {p[0] for p in targets}
+    return [p for p in table if p not in targets and p[0] in asked]
+
+
+def _unexpected_problem(unexpected: list[Path]) -> str:
+    return (f"  - in the checkpoint but not in the state dict: {_listed(unexpected)}: build the state dict with these "
+            f"paths, or pass strict=False to skip them (a top-level key the state dict leaves out is not loaded at "
+            f"all)")
+
+
+def _none_asks(action: str, unasked: list[Path], width: int, group: Any, size: int) -> None:
+    """Raise on every rank if a saved path this rank does not ask for is asked for by no rank
+    (the ranks of a pipeline each ask for their own stages' paths): the intersection of every
+    rank's unasked paths, by fingerprint, is the same on every rank."""
+    prints = [fingerprint(p, ()) for p in unasked]
+    rows = all_gather_ints(prints + [-1] * (width - len(prints)), group, size)
+    nobody = set(prints)
+    for row in rows:
+        nobody &= set(row)
+    if nobody:
+        raise ValueError(f"{action}: cannot load it into this state dict; nothing was loaded:\n"
+                         + _unexpected_problem([p for p in unasked if fingerprint(p, ()) in nobody]))
 
 
 def _region(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:

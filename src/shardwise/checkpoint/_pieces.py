@@ -5,22 +5,25 @@
 | DTensor of Shard / Replicate | each rank whose coordinate is 0 on every mesh dim that does not split it | its local piece, with the piece's box |
 | DTensor on a mesh smaller than the world | as above, and of the meshes holding the same piece, the lowest rank | the same |
 | DTensor with Partial mesh dims | reduced first (as `redistribute` to Replicate), then as above | the pieces of the global value |
-| plain tensor | rank 0 | the whole tensor |
-| any other value | rank 0 | the value |
+| plain tensor | rank 0; the lowest rank holding it when the ranks hold different ones | the whole tensor |
+| any other value | rank 0; as above | the value |
 
 The second row is for a tensor held on several meshes, each a replica of the others (a
 model parallelised on `mesh["tp"]` of a (dp, tp) mesh): no rank can tell from its own mesh
 that another mesh holds the same piece, so the ranks exchange a 63-bit fingerprint of
 (path, box) for each such piece (the count rides on the save's first agreement, then one
 all_gather of ints, none when every mesh spans the world) and the lowest rank holding a
-piece writes it. Every format follows this table; only how the bytes are laid out differs.
+piece writes it. Plain leaves are rank 0's while every rank holds the same ones; when they
+differ (a pipeline's stages, each rank holding its own), the ranks exchange their plain
+leaves' fingerprints the same way and the lowest holder writes each. Every format follows
+this table; only how the bytes are laid out differs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,8 +35,8 @@ from .._tensor import DTensor
 from ._paths import Path
 from ._writer import Leaf, Share
 
-__all__ = ["claimed_below", "claims", "describe", "fingerprint", "my_boxes", "narrowed", "reduced", "shares",
-           "standalone", "volume"]
+__all__ = ["claimed_below", "claims", "describe", "fingerprint", "my_boxes", "narrowed", "plain_claims", "reduced",
+           "shares", "standalone", "volume"]
 
 
 def fingerprint(path: Path, box: Box) -> int:
@@ -70,6 +73,19 @@ def claims(named: list[tuple[str, Path, Any]], world: int) -> list[int]:
     """Fingerprints of the pieces this rank would write of DTensors on meshes smaller than the world."""
     return [fingerprint(path, box) for _, path, leaf in named
             if isinstance(leaf, DTensor) and leaf.device_mesh.size() < world for box, _ in my_boxes(leaf)]
+
+
+def plain_claims(named: list[tuple[str, Path, Any]]) -> list[int]:
+    """Fingerprints of the plain leaves (tensors and other values) this rank holds."""
+    return [_plain_print(path, leaf) for _, path, leaf in named if not isinstance(leaf, DTensor)]
+
+
+def _plain_print(path: Path, leaf: Any) -> int:
+    """A plain tensor's (path, whole box); a plain value's path and value, so that two ranks holding
+    one path with different values both write it and the writer names the difference."""
+    if isinstance(leaf, torch.Tensor):
+        return fingerprint(path, tuple((0, n) for n in leaf.shape))
+    return fingerprint((*path, hashlib.blake2b(repr(leaf).encode(), digest_size=8).hexdigest()), ())
 
 
 def claimed_below(rank: int, world: int, mine: list[int], counts: list[int]) -> set[int]:
@@ -119,10 +135,13 @@ def narrowed(t: torch.Tensor, at: Box) -> torch.Tensor:
     return t
 
 
-def shares(named: list[tuple[str, Path, Any]], rank: int, taken: set[int], copy: bool) -> list[Share]:
+def shares(named: list[tuple[str, Path, Any]], rank: int, taken: set[int], copy: bool,
+           plain_taken: Optional[set[int]] = None) -> list[Share]:
     """This rank's pieces of `named` (the leaves with Partial DTensors reduced), by the table
-    above; pieces whose fingerprint is in `taken` are written by a lower rank. With `copy`,
-    standalone CPU copies (the state dict may change at once); else views of the leaves."""
+    above; pieces whose fingerprint is in `taken` are written by a lower rank. Plain leaves
+    are rank 0's, or, with `plain_taken` (the ranks hold different ones), this rank's but
+    those a lower rank holds too. With `copy`, standalone CPU copies (the state dict may
+    change at once); else views of the leaves."""
     out: list[Share] = []
     for i, (_, path, leaf) in enumerate(named):
         if isinstance(leaf, DTensor):
@@ -131,8 +150,11 @@ def shares(named: list[tuple[str, Path, Any]], rank: int, taken: set[int], copy:
                 if not (taken and fingerprint(path, box) in taken):
                     piece = narrowed(local, at)
                     out.append(Share(i, box, standalone(piece, True) if copy else piece))
-        elif rank == 0 and isinstance(leaf, torch.Tensor):
+            continue
+        if rank != 0 if plain_taken is None else _plain_print(path, leaf) in plain_taken:
+            continue
+        if isinstance(leaf, torch.Tensor):
             out.append(Share(i, tuple((0, n) for n in leaf.shape), standalone(leaf, True) if copy else leaf))
-        elif rank == 0:
+        else:
             out.append(Share(i, (), leaf))
     return out

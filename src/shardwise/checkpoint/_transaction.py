@@ -43,7 +43,7 @@ from ._agree import agree, agree_rows, gather_json, pack
 from ._async import SaveFuture, finish_pending, in_background
 from ._files import checkpoint_dir
 from ._paths import Path, is_stateful
-from ._pieces import claimed_below, claims, describe, reduced, shares
+from ._pieces import claimed_below, claims, describe, plain_claims, reduced, shares
 from ._save import NativeWriter
 from ._switch import JOURNAL, finish_switch
 from ._writer import Leaf, Save, Share, StorageWriter
@@ -165,9 +165,10 @@ def _prepare(state_dict: Mapping[str, Any], writer: StorageWriter, directory: Fi
     leaves: tuple[Leaf, ...] = ()
     drawn: Optional[str] = None
     signature = 0
+    plain: list[int] = []
     try:
         named = _leaves(state_dict, writer, directory)
-        mine = claims(named, world)
+        mine, plain = claims(named, world), plain_claims(named)
         leaves = tuple(describe(*item) for item in named)
         signature = _signature(leaves) if writer.agree_first else 0
         if rank == 0:
@@ -178,18 +179,21 @@ def _prepare(state_dict: Mapping[str, Any], writer: StorageWriter, directory: Fi
         error = exc
     with _abandoned_on_failure(writer, directory, drawn):
         rows = agree_rows(_action(directory), "checking the state dict", error, _world_group(world), world,
-                          writer.unchanged, [int(drawn or "0", 16), signature, len(mine)])
+                          writer.unchanged, [int(drawn or "0", 16), signature, len(mine), _digest(plain), len(plain)])
         save = Save(directory, f"{rows[0][0]:08x}", rank, world, leaves)
         differing = [r for r, row in enumerate(rows) if row[1] != rows[0][1]]
         if differing:
             raise ValueError(f"{_action(directory)}: the ranks' state dicts differ in names, shapes or dtypes (ranks "
                              f"{differing} differ from rank 0): pass every rank the same state dict. {writer.unchanged}")
         taken = claimed_below(rank, world, mine, [row[2] for row in rows])
+        # the ranks hold different plain leaves (a pipeline's stages): the lowest holder writes each
+        plain_taken = (claimed_below(rank, world, plain, [row[4] for row in rows])
+                       if any(row[3] != rows[0][3] for row in rows) else None)
         with torch.no_grad():
             named = [(name, path, reduced(leaf) if isinstance(leaf, DTensor) else leaf) for name, path, leaf in named]
     pieces: list[Share] = []
     try:
-        pieces = shares(named, rank, taken, staged)
+        pieces = shares(named, rank, taken, staged, plain_taken)
     except Exception as exc:
         error = exc  # told to every rank at the next agreement, after the write step
     return _Job(writer, save, pieces, error)
@@ -224,6 +228,11 @@ def _signature(leaves: tuple[Leaf, ...]) -> int:
     """A 63-bit digest of every leaf's name, shape and dtype: equal on every rank that holds the same state."""
     described = [[leaf.name, leaf.shape and list(leaf.shape), str(leaf.dtype)] for leaf in leaves]
     return int.from_bytes(hashlib.blake2b(json.dumps(described).encode(), digest_size=8).digest(), "big") >> 1
+
+
+def _digest(fingerprints: list[int]) -> int:
+    """A 63-bit digest of a list of fingerprints, in order."""
+    return int.from_bytes(hashlib.blake2b(json.dumps(fingerprints).encode(), digest_size=8).digest(), "big") >> 1
 
 
 def _fresh_generation(directory: FilePath) -> str:
