@@ -77,7 +77,8 @@ SPMD = [
 
 PIPELINE = [
     "Action", "Batch", "DeferredBatchNorm", "DistributedPipe", "GPipe", "Namespace", "Pipe", "PipelineError",
-    "PipelineStage", "Schedule", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "Timeline",
+    "PipelineStage", "Schedule", "Schedule1F1B", "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "Timeline",
     "TimelineEvent", "balance_by_size", "balance_by_time", "balance_cost", "check", "clock_cycles",
     "current_timeline", "gather", "hf_loss", "hf_sequential", "inspect_skip_layout", "is_checkpointing", "is_recomputing", "pop", "scatter",
     "skip", "skippable", "split_module", "stash", "verify_skippables",
@@ -89,6 +90,22 @@ def test_pipeline_surface_is_pinned() -> None:
 
     assert list(shardwise.pipeline.__all__) == PIPELINE
     assert shardwise.pipeline.GPipe is shardwise.pipeline.Pipe  # torchgpipe's name
+
+
+PIPELINING = [
+    "Pipe", "PipelineStage", "Schedule1F1B", "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble", "SplitPoint", "build_stage",
+    "pipe_split", "pipeline",
+]
+
+
+def test_pipelining_surface_is_torchs() -> None:
+    import torch.distributed.pipelining
+
+    import shardwise.pipelining
+
+    assert list(shardwise.pipelining.__all__) == PIPELINING
+    assert set(PIPELINING) == set(torch.distributed.pipelining.__all__)  # so the switch is an import change
 
 
 CHECKPOINT = ["load", "save", "async_save", "save_pretrained", "HuggingFaceStorageWriter", "HuggingFaceStorageReader", "load_pretrained", "FileSystemReader", "FileSystemWriter"]

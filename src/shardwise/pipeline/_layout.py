@@ -7,12 +7,16 @@ of ranks get a point-to-point group and which tied parameters are summed over wh
 What talks to processes (the stages' sharding, the process groups, the wire) is built from
 this value afterwards (`_context`), and the step, its replay and the gradient code read it
 rather than the pipe. ("Layout" here is the pipe's; a tensor's layout is its placements.)
+
+`plan_stages` is the second way in, for stages built one by one (`shardwise.pipelining`'s
+`PipelineStage`, as torch.distributed.pipelining builds them): one module per stage, the
+schedule given as a value, over a one-dim `pp` mesh, with no skips, ties or checkpointing.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -34,7 +38,7 @@ from ._ties import Tie, find_ties
 from ._topology import Topology, stage_topology, uniform_topology
 from .skip import SkipRoutes, inspect_skip_layout
 
-__all__ = ["PipeLayout", "plan_pipe"]
+__all__ = ["PipeLayout", "plan_pipe", "plan_stages"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,6 +140,33 @@ def plan_pipe(module: nn.Sequential, balance: Any, mesh: Any, *, pp_dim: str, dp
         rank=stage_mesh.get_rank(), skip_routes=skip_routes, channels=channels, p2p_rows=p2p_rows,
         p2p_size=p2p_size, ties=ties)
     return layout, partitions
+
+
+def plan_stages(mesh: DeviceMesh, schedule: Schedule, device: torch.device,
+                p2p_rows: Optional[Sequence[tuple[int, ...]]] = None) -> PipeLayout:
+    """The layout of stages given one by one: stage `s` on the rank at pp index
+    `schedule.stage_rank(s)` of `mesh` (one dim, `"pp"`, its size `schedule.num_ranks`), one
+    module (a one-layer partition) per stage, no skips, no tied parameters, no checkpointing.
+    `p2p_rows`: when `mesh` is one of several pipelines' (each over its own ranks), every
+    pipeline's ranks, in one order on every process (each gets a group for its messages)."""
+    if mesh.ndim != 1 or mesh.size(0) != schedule.num_ranks:
+        raise ValueError(f"{schedule!r} runs on {schedule.num_ranks} ranks, but the mesh has shape "
+                         f"{tuple(mesh.shape)}: build a one-dim ('pp',) mesh of {schedule.num_ranks} ranks")
+    n = schedule.num_stages
+    topology = uniform_topology(mesh, "pp", None, None)
+    skip_routes = SkipRoutes(n, [])
+    where = [schedule.stage_rank(s) for s in range(n)]
+    channels = ChannelPlan(n, skip_routes, [topology.partner(p) for p in where], rows=[topology.row(p) for p in where])
+    rows, p2p_size = _p2p_rows(mesh, "pp", topology.pp)
+    if p2p_rows is not None and topology.pp > 1:
+        rows = tuple(tuple(row) for row in p2p_rows)
+        if tuple(mesh.mesh.tolist()) not in rows:
+            raise ValueError(f"p2p_rows {[list(r) for r in rows]} must hold the mesh's ranks {mesh.mesh.tolist()}")
+    return PipeLayout(
+        mesh=mesh, stage_mesh=mesh, pp_dim="pp", dp_dim=None, tp_dim=None, cp_dim=None, tp_mesh=None, zero_mesh=None,
+        topology=topology, schedule=schedule, balance=(1,) * n, chunks=schedule.num_microbatches, checkpoint="never",
+        shard_parameters=False, bucket_cap_mb=25.0, device=device, rank=mesh.get_rank(), skip_routes=skip_routes,
+        channels=channels, p2p_rows=rows, p2p_size=p2p_size, ties=())
 
 
 Dims = tuple[Optional[str], Optional[str], Optional[str]]  # dp, tp, cp

@@ -58,6 +58,10 @@ The pipe itself is thin: its arguments become a frozen `PipeLayout` (`_layout`: 
 once), its stages are placed and sharded, and a `StepContext` (`_context`: the stages, the
 process groups, the wire, the step guard, the gradient reducers) is what the step (`_step`,
 `_execute`) and its replay (`_replay`) work with.
+
+`DistributedPipe.from_stages` is the second way to build one, for stages made one by one
+(`shardwise.pipelining`'s `PipelineStage`, as torch.distributed.pipelining makes them): each
+rank gives only its own stages' modules and the schedule as a value; the step is the same.
 """
 
 from __future__ import annotations
@@ -72,8 +76,9 @@ from .._mesh import DeviceMesh
 from .._source_names import carry_source
 from ._context import place_stages, step_context
 from ._execute import execute
-from ._layout import PipeLayout, plan_pipe
+from ._layout import PipeLayout, plan_pipe, plan_stages
 from ._microbatch import BatchValue, gather
+from ._schedule import Schedule
 from ._stage import PipelineStage
 from ._step import LossFn, StepRun
 from ._wire import PipelineError
@@ -190,6 +195,27 @@ class DistributedPipe(nn.Module):
         carry_source(module, self, {f"partitions.{j}.": "" for j in mine})  # the names of hf_sequential's model
         self._context = step_context(layout, self.partitions)
         self.stages = self._context.stages
+
+    @classmethod
+    def from_stages(cls, partitions: Mapping[int, nn.Sequential], mesh: DeviceMesh, schedule: Schedule, *,
+                    device: torch.device, loss_fn: Optional[LossFn] = None,
+                    p2p_rows: Optional[Sequence[tuple[int, ...]]] = None) -> DistributedPipe:
+        """A pipe of stages given one by one: `partitions[s]` runs stage `s` (exactly the stages
+        `schedule.rank_stages` gives this rank), on `device`, as they are (not moved or split),
+        over the one-dim `("pp",)` `mesh` (collective: every process builds its pipe; where
+        several pipelines run side by side, `p2p_rows` lists every one's ranks). No skips, tied
+        parameters or checkpointing; `step` and `forward` are as for any pipe."""
+        layout = plan_stages(mesh, schedule, torch.device(device), p2p_rows)
+        if sorted(partitions) != list(layout.local_stages):
+            raise ValueError(f"{schedule!r} runs stages {list(layout.local_stages)} on pp rank {layout.pp_rank}, "
+                             f"got stages {sorted(partitions)}: give this rank exactly those")
+        pipe = cls.__new__(cls)
+        nn.Module.__init__(pipe)
+        pipe.layout, pipe.loss_fn = layout, loss_fn
+        pipe.partitions = nn.ModuleDict({str(j): partitions[j] for j in layout.local_stages})
+        pipe._context = step_context(layout, pipe.partitions)
+        pipe.stages = pipe._context.stages
+        return pipe
 
     # -- public -------------------------------------------------------------------------------
 
