@@ -150,8 +150,7 @@ def _pipeline_table(settings: Settings) -> Table:
     first = per_rank[0]
     rows = []
     for name in ("planned", "even"):
-        ms = per_repeat_max_median([r["samples"][name] for r in per_rank])
-        rows.append({"split": f"{name} {first['balance'][name]}", "measured_ms": None if ms is None else ms * 1e3,
+        rows.append({"split": f"{name} {first['balance'][name]}", "measured_ms": _measured_ms(per_rank, name),
                      "modelled_ms": first["modelled"][name] * 1e3})
     table = Table("planner_pipeline", f"plan_pipeline's cut vs the even split: an MLP of 6 blocks (width "
                                       f"{first['width']}, the first 8x wider), batch 64 on 2 pp ranks, "
@@ -164,6 +163,12 @@ def _pipeline_table(settings: Settings) -> Table:
     return table
 
 
+def _measured_ms(per_rank: list[dict[str, Any]], name: str) -> Any:
+    """Median over repeats of the slowest rank's ms for contender `name` (None without samples)."""
+    ms = per_repeat_max_median([r["samples"][name] for r in per_rank])
+    return None if ms is None else ms * 1e3
+
+
 def _table(settings: Settings, which: str) -> Table:
     from shardwise.testing import run_distributed
 
@@ -172,10 +177,9 @@ def _table(settings: Settings, which: str) -> Table:
     per_rank = run_distributed(body, world, settings, which, timeout=settings.timeout)
     rows = []
     for name in ("auto", "megatron", "data parallel"):
-        ms = per_repeat_max_median([r["samples"][name] for r in per_rank])
         modelled = per_rank[0]["modelled"][name]
         rows.append({"plan": name if name != "auto" else f"AutoPlanner ({', '.join(per_rank[0]['chosen'])})",
-                     "measured_ms": None if ms is None else ms * 1e3,
+                     "measured_ms": _measured_ms(per_rank, name),
                      "modelled_ms": None if modelled is None else modelled * 1e3})
     model = "demo GPT" if which == "gpt" else "HF Llama (GQA)"
     table = Table("planner_quality" if which == "gpt" else "planner_quality_llama",

@@ -220,11 +220,8 @@ class ScheduleInterleaved1F1B(Schedule):
                 f"num_microbatches={self.num_microbatches})")
 
 
-class ScheduleLoopedBFS(Schedule):
-    """Looped breadth-first (Lamy-Poirier 2023): `virtual_stages` stages per rank, stage `s` on
-    rank `s % num_ranks`; each rank runs its first stage's forward for every micro-batch, then
-    its next stage's, and the backwards in the mirror order (last stage first). Any
-    `num_microbatches >= 1`."""
+class _Looped(Schedule):
+    """`virtual_stages` stages per rank, stage `s` on rank `s % num_ranks`."""
 
     def __init__(self, num_ranks: int, virtual_stages: int, num_microbatches: int) -> None:
         _check_sizes(num_ranks=num_ranks, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
@@ -233,6 +230,13 @@ class ScheduleLoopedBFS(Schedule):
     @property
     def virtual_stages(self) -> int:
         return self.num_stages // self.num_ranks
+
+
+class ScheduleLoopedBFS(_Looped):
+    """Looped breadth-first (Lamy-Poirier 2023): `virtual_stages` stages per rank, stage `s` on
+    rank `s % num_ranks`; each rank runs its first stage's forward for every micro-batch, then
+    its next stage's, and the backwards in the mirror order (last stage first). Any
+    `num_microbatches >= 1`."""
 
     def rank_order(self, rank: int) -> list[Action]:
         stages, m = self.rank_stages(rank), self.num_microbatches
@@ -244,7 +248,7 @@ class ScheduleLoopedBFS(Schedule):
                 f"num_microbatches={self.num_microbatches})")
 
 
-class ScheduleInterleavedZeroBubble(Schedule):
+class ScheduleInterleavedZeroBubble(_Looped):
     """Zero bubble on interleaved placement (Qi et al. 2024; ZB-H1 with `virtual_stages=1`):
     stage `s` on rank `s % num_ranks`, each backward split into I and W, the order from the
     zero-bubble policy (module docstring). Each rank holds at most `activation_bound` pairs
@@ -252,14 +256,6 @@ class ScheduleInterleavedZeroBubble(Schedule):
     their I (which keep only the weights' inputs); that reaches ZB-H1's bubble,
     `(r-1)/(3m+r-1)` in `COST` units, for every `m >= r`. With several, interleaved 1F1B's
     first rank's bound. Any `num_microbatches >= 1`."""
-
-    def __init__(self, num_ranks: int, virtual_stages: int, num_microbatches: int) -> None:
-        _check_sizes(num_ranks=num_ranks, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
-        super().__init__(num_ranks * virtual_stages, num_microbatches, num_ranks)
-
-    @property
-    def virtual_stages(self) -> int:
-        return self.num_stages // self.num_ranks
 
     def activation_bound(self, rank: int) -> int:
         """The most (micro-batch, stage) pairs whose forward ran and W has not, on `rank`."""
