@@ -7,7 +7,9 @@ split over tp=2 (4 ranks), materialised with `pipe.to_empty`, and filled: every 
 holds equals transformers' own load bitwise, the rotary tables no file holds are recomputed,
 no rank reads more than 1.05x its pieces' bytes, and the pipeline's logits match the loaded
 model's, whether the tp styles give DTensor or local outputs. Cut into 4 stages of one layer,
-each rank materialises and fills only its own. GPT-2 over 2 stages puts the embedding on stage 0 and the LM head tied to it on
+each rank materialises and fills only its own, and `save_pretrained(pipe)` writes each stage's
+tensors from its rank under the model's names: transformers loads the directory bit-equal.
+GPT-2 over 2 stages puts the embedding on stage 0 and the LM head tied to it on
 stage 1: the head is read from the embedding's bytes.
 """
 
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.checkpoint import _hf_read, load_pretrained
+from shardwise.checkpoint import _hf_read, load_pretrained, save_pretrained
 from shardwise.pipeline import DistributedPipe, hf_sequential
 from shardwise.testing import run_distributed
 
@@ -90,7 +92,7 @@ def test_a_llama_built_on_meta_as_two_tensor_parallel_stages_is_filled_by_load_p
     assert max(read) < whole / 2  # each rank reads a quarter of the model, give or take the embeddings
 
 
-def _llama_four_stages(path: str) -> int:
+def _llama_four_stages(path: str, out: str = "") -> int:
     # built on meta, cut into 4 stages: each rank materialises and fills its own stage only
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
@@ -105,16 +107,39 @@ def _llama_four_stages(path: str) -> int:
         assert torch.equal(value, want[name]), name
     ids = torch.randint(0, LLAMA["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
     logits = pipe(ids)
+    save_pretrained(pipe, out)  # each rank writes its stage's tensors, by the model's names
     pipe.close()
     if logits is not None:
         torch.testing.assert_close(logits, want_model(ids).logits)
     return len(held)
 
 
-def test_a_llama_built_on_meta_as_four_stages_holds_only_its_stage_and_loads_bit_equal(llama_dir: Path) -> None:
-    held = run_distributed(_llama_four_stages, 4, str(llama_dir), timeout=300)
+def test_a_llama_built_on_meta_as_four_stages_holds_only_its_stage_loads_bit_equal_and_saves_what_transformers_loads(
+        llama_dir: Path, tmp_path: Path) -> None:
+    held = run_distributed(_llama_four_stages, 4, str(llama_dir), str(tmp_path), timeout=300)
     want = transformers.LlamaForCausalLM.from_pretrained(llama_dir).state_dict()
     assert sum(held) == len(want) and min(held) > 0  # every tensor on exactly one stage
+    saved = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    assert saved.config.architectures == ["LlamaForCausalLM"]
+    for name, value in want.items():
+        assert torch.equal(saved.state_dict()[name], value), name
+
+
+def _gpt2_save(path: str, out: str) -> None:
+    model = transformers.GPT2LMHeadModel.from_pretrained(path)
+    pipe = DistributedPipe(hf_sequential(model), [2, 2], sw.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)))
+    save_pretrained(pipe, out)
+    pipe.close()
+
+
+def test_a_pipelined_gpt2_saves_its_tied_head_once_and_reloads_in_transformers(tmp_path: Path) -> None:
+    _gpt2(0).save_pretrained(tmp_path / "in")
+    run_distributed(_gpt2_save, 2, str(tmp_path / "in"), str(tmp_path / "out"), timeout=300)
+    want = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "in").state_dict()
+    got = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").state_dict()
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
 
 
 def _gpt2_pipeline(path: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 
 from torch import nn
 
+from .._source_names import source_names
 from ._hf_layout import DEFAULT_MAX_SHARD_SIZE
 from ._hf_write import HuggingFaceStorageWriter
 from ._transaction import save
@@ -32,6 +33,10 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike[str
                     state_dict: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
     """Write `model` (its `state_dict()`, or `state_dict`) as a Hugging Face model directory; call on every rank.
 
+    `model` may be a pipeline cut from a transformers model (`hf_sequential(model)`, or a
+    `DistributedPipe` of it): each rank writes the tensors its stages hold, under the names
+    of the model they were cut from, with that model's config.
+
     `config` (a transformers config) is written as config.json; None writes the model's own
     `config`, if it has one, with its dtype and architecture set as transformers does. The
     weights are split into files of at most `max_shard_size`. transformers' `from_pretrained`
@@ -42,6 +47,18 @@ def save_pretrained(model: nn.Module, save_directory: Union[str, os.PathLike[str
         raise TypeError(f"save_pretrained writes safetensors from every rank's own pieces; it takes config=, "
                         f"max_shard_size= and state_dict=, not {', '.join(f'{k}={kwargs[k]!r}' for k in bad)}")
     state = dict(model.state_dict(keep_vars=True) if state_dict is None else state_dict)
+    source = source_names(model)
+    if source is not None:  # a pipeline's stages: each rank writes the tensors its stages hold, by the model's names
+        hf = source.source_model()
+        if hf is None:
+            raise ValueError(f"{type(model).__name__} was cut from a model that no longer exists, and save_pretrained "
+                             "writes that model's names, config and tied weights: keep the model given to "
+                             "hf_sequential alive until the save is done")
+        tied = dict(getattr(hf, "all_tied_weights_keys", None) or {})
+        state = {source.names.get(k, k): v for k, v in state.items()}
+        # a tied weight's copy on another stage: the files hold it once, under its source's name
+        state = {k: v for k, v in state.items() if not (k in tied and tied[k] in source.keys)}
+        model = hf
     writer = HuggingFaceStorageWriter(save_directory, max_shard_size, extra_files=_config_files(model, config))
     save(_untied(model, state), storage_writer=writer)
 

@@ -35,8 +35,11 @@ from .._tensor import DTensor
 from ._paths import Path
 from ._writer import Leaf, Share
 
-__all__ = ["claimed_below", "claims", "describe", "fingerprint", "my_boxes", "narrowed", "plain_claims", "reduced",
+__all__ = ["ABSENT", "claimed_below", "claims", "describe", "differing_values", "fingerprint", "my_boxes", "narrowed", "plain_claims", "reduced",
            "shares", "standalone", "volume"]
+
+
+ABSENT = object()  # a leaf another rank holds and this one does not (in a save over every rank's leaves)
 
 
 def fingerprint(path: Path, box: Box) -> int:
@@ -78,6 +81,25 @@ def claims(named: list[tuple[str, Path, Any]], world: int) -> list[int]:
 def plain_claims(named: list[tuple[str, Path, Any]]) -> list[int]:
     """Fingerprints of the plain leaves (tensors and other values) this rank holds."""
     return [_plain_print(path, leaf) for _, path, leaf in named if not isinstance(leaf, DTensor)]
+
+
+def differing_values(named: list[tuple[str, Path, Any]], world: int, counts: list[int]) -> list[str]:
+    """The names of this rank's plain values (not tensors) that another rank holds under the same
+    path with a different value; the same verdict on every rank (empty, or not). One all_gather
+    of (path, value) fingerprint pairs; `counts` bounds each rank's number of plain leaves."""
+    mine = [(name, fingerprint(path, ()), _plain_print(path, leaf)) for name, path, leaf in named
+            if not isinstance(leaf, torch.Tensor) and leaf is not ABSENT]
+    width = 2 * max(counts, default=0)
+    if world == 1 or width == 0:
+        return []
+    flat = [v for _, p, q in mine for v in (p, q)]
+    seen: dict[int, set[int]] = {}
+    for row in all_gather_ints(flat + [-1] * (width - len(flat)), dist.group.WORLD, world):
+        for p, q in zip(row[::2], row[1::2]):
+            if p >= 0:
+                seen.setdefault(p, set()).add(q)
+    differ = {p for p, qs in seen.items() if len(qs) > 1}
+    return [name for name, p, _ in mine if p in differ] or (["(held by other ranks)"] if differ else [])
 
 
 def _plain_print(path: Path, leaf: Any) -> int:
@@ -144,6 +166,8 @@ def shares(named: list[tuple[str, Path, Any]], rank: int, taken: set[int], copy:
     change at once); else views of the leaves."""
     out: list[Share] = []
     for i, (_, path, leaf) in enumerate(named):
+        if leaf is ABSENT:
+            continue
         if isinstance(leaf, DTensor):
             local = leaf.to_local()
             for box, at in my_boxes(leaf):

@@ -142,12 +142,7 @@ def _merge(per_rank: list[list[Entry]]) -> list[Entry]:
                 merged[entry.path] = replace(first, pieces=first.pieces + entry.pieces)
     for path, entry in merged.items():
         ranks = holders[path]
-        if entry.kind == "object" and len(entry.pieces) > 1:  # (only the ranks holding different keys write them)
-            problems.append(f"'{show(path)}' is a plain value that differs between ranks {ranks}, and a checkpoint "
-                            f"holds one: give every rank the same value, or a key of its own (an optimizer of a "
-                            f"pipeline's stages: get_optimizer_state_dict(..., options=StateDictOptions("
-                            f"flatten_optimizer_state_dict=True)) keys each group's settings by parameter name)")
-        elif entry.kind == "tensor" and path not in disagreed:
+        if entry.kind == "tensor" and path not in disagreed:
             covered = sum(p.volume() for p in entry.pieces)
             if covered != entry.numel():
                 problems.append(f"'{show(path)}': the ranks' pieces hold {covered} of its {entry.numel()} elements "

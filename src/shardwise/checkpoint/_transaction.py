@@ -43,7 +43,7 @@ from ._agree import agree, agree_rows, gather_json, pack
 from ._async import SaveFuture, finish_pending, in_background
 from ._files import checkpoint_dir
 from ._paths import Path, is_stateful
-from ._pieces import claimed_below, claims, describe, plain_claims, reduced, shares
+from ._pieces import ABSENT, claimed_below, claims, describe, differing_values, plain_claims, reduced, shares
 from ._save import NativeWriter
 from ._switch import JOURNAL, finish_switch
 from ._writer import Leaf, Save, Share, StorageWriter
@@ -181,14 +181,20 @@ def _prepare(state_dict: Mapping[str, Any], writer: StorageWriter, directory: Fi
         rows = agree_rows(_action(directory), "checking the state dict", error, _world_group(world), world,
                           writer.unchanged, [int(drawn or "0", 16), signature, len(mine), _digest(plain), len(plain)])
         save = Save(directory, f"{rows[0][0]:08x}", rank, world, leaves)
-        differing = [r for r, row in enumerate(rows) if row[1] != rows[0][1]]
-        if differing:
-            raise ValueError(f"{_action(directory)}: the ranks' state dicts differ in names, shapes or dtypes (ranks "
-                             f"{differing} differ from rank 0): pass every rank the same state dict. {writer.unchanged}")
+        if any(row[1] != rows[0][1] for row in rows):  # the ranks hold different leaves (a pipeline's stages)
+            save, named = _planned_from_all(writer, save, named, drawn)
         taken = claimed_below(rank, world, mine, [row[2] for row in rows])
-        # the ranks hold different plain leaves (a pipeline's stages): the lowest holder writes each
-        plain_taken = (claimed_below(rank, world, plain, [row[4] for row in rows])
-                       if any(row[3] != rows[0][3] for row in rows) else None)
+        plain_taken = None
+        if any(row[3] != rows[0][3] for row in rows):  # different plain leaves (a pipeline's stages): the lowest
+            plain_taken = claimed_below(rank, world, plain, [row[4] for row in rows])  # holder writes each
+            differ = differing_values(named, world, [row[4] for row in rows])
+            if differ:
+                raise ValueError(
+                    f"{_action(directory)}: plain values that differ between the ranks holding them under one name: "
+                    f"{', '.join(repr(n) for n in differ[:10])}; a checkpoint holds one: give every rank the same "
+                    "value, or a name of its own (a pipeline's optimizer: get_optimizer_state_dict(..., options="
+                    "StateDictOptions(flatten_optimizer_state_dict=True)) names each group's settings by parameter). "
+                    f"{writer.unchanged}")
         with torch.no_grad():
             named = [(name, path, reduced(leaf) if isinstance(leaf, DTensor) else leaf) for name, path, leaf in named]
     pieces: list[Share] = []
@@ -197,6 +203,52 @@ def _prepare(state_dict: Mapping[str, Any], writer: StorageWriter, directory: Fi
     except Exception as exc:
         error = exc  # told to every rank at the next agreement, after the write step
     return _Job(writer, save, pieces, error)
+
+
+def _planned_from_all(writer: StorageWriter, save: Save, named: list[tuple[str, Path, Any]], drawn: Optional[str]
+                      ) -> tuple[Save, list[tuple[str, Path, Any]]]:
+    """For a writer that plans its files from the leaves, when the ranks hold different ones: the
+    save over every rank's leaves, each name once (rank 0's, then each rank's new ones in rank
+    order), and this rank's leaves in that order (`ABSENT` where it holds none); rank 0 plans
+    the files anew from them. A name held with different shapes, dtypes or layouts is a
+    ValueError on every rank naming each."""
+    action, group = _action(save.directory), _world_group(save.world)
+    described = [[leaf.name, list(leaf.path), None if leaf.shape is None else list(leaf.shape),
+                  None if leaf.dtype is None else str(leaf.dtype).removeprefix("torch."), leaf.layout]
+                 for leaf in save.leaves]
+    packed = pack(described)
+    widths = agree(action, "describing each rank's leaves", None, group, save.world, writer.unchanged, len(packed))
+    union: dict[str, tuple[Leaf, int]] = {}
+    problems = []
+    for r, row in enumerate(gather_json(action, "every rank's leaves", packed, max(widths), group, save.world,
+                                        writer.unchanged)):
+        for name, path, shape, dtype, layout in row or []:
+            leaf = Leaf(name, tuple(path), None if shape is None else tuple(shape),
+                        None if dtype is None else getattr(torch, dtype), layout)
+            first = union.setdefault(name, (leaf, r))
+            if first[0] != leaf:
+                problems.append(f"'{name}' is {_shown(first[0])} on rank {first[1]} but {_shown(leaf)} on rank {r}")
+    if problems:
+        raise ValueError(f"{action}: the ranks' state dicts hold one name with different shapes, dtypes or layouts:\n"
+                         "  - " + "\n  - ".join(problems) + f"\n{writer.unchanged}")
+    whole = Save(save.directory, save.generation, save.rank, save.world, tuple(leaf for leaf, _ in union.values()))
+    mine = {name: (name, path, value) for name, path, value in named}
+    error: Optional[Exception] = None
+    if save.rank == 0:
+        try:
+            _remove(writer, save.directory, lambda generation: generation == drawn)  # planned from rank 0's alone
+            writer.prepare(whole)
+        except Exception as exc:
+            error = exc
+    agree(action, "planning the files from every rank's leaves", error, group, save.world, writer.unchanged)
+    return whole, [mine.get(leaf.name, (leaf.name, leaf.path, ABSENT)) for leaf in whole.leaves]
+
+
+def _shown(leaf: Leaf) -> str:
+    if leaf.shape is None:
+        return "a plain value"
+    return f"{'a plain tensor' if leaf.layout is None else f'a DTensor {leaf.layout}'} of shape {leaf.shape} and " \
+           f"dtype {leaf.dtype}"
 
 
 def _leaves(state_dict: Mapping[str, Any], writer: StorageWriter, directory: FilePath) -> list[tuple[str, Path, Any]]:
