@@ -12,6 +12,11 @@ transaction does the rest, in the same steps for every format, the ranks agreein
 | switch | rank 0 | the writer builds the index and switches it in: one atomic rename (or several behind a journal, `_switch`) | the writer's switch step ("writing metadata.json") |
 | clean | rank 0 | remove the files no checkpoint names: older generations, temporaries of killed saves | - |
 
+The ranks may hold different leaves (a pipeline's stages, each rank its own): each leaf is
+written by its holders as the table of `_pieces` says, and a format that plans its files from
+the leaves (safetensors, DCP's table) plans them from every rank's, gathered once after the
+check (`_planned_from_all`).
+
 A failure on any rank stops every rank at the next agreement, with an error naming the
 operation (`save to '<directory>'`), the step and the ranks that failed, and saying what the
 directory holds: before the switch, the checkpoint it held before, whole (rank 0 removes
