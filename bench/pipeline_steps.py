@@ -16,6 +16,11 @@ step. The contenders, stepped in one interleaved loop:
 
 A one-process copy of the whole model steps alongside; afterwards every copy's stage must
 hold its parameters (the `check` column), and the compiled copy must have replayed one program.
+
+Then one row per schedule (`_pipeline_schedules`): gpipe, 1f1b, interleaved, looped_bfs,
+zero_bubble, zbv and dualpipev against torch's class of the same name, each rank pinned to
+its own core, with the bubble measured on both ranks' merged `Timeline` beside the
+schedule's `bubble_fraction()`, and the steps/s gain over a 1F1B pipe timed alongside.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._common import Column, Settings, Table, close, interleaved, per_repeat_max_median, quiet, ratio
+from ._pipeline_schedules import BLOCKS, CASES, sizes, schedule_body, schedule_row
 
 __all__ = ["run", "pipeline_body", "HandPipe"]
 
@@ -177,18 +183,21 @@ def run(settings: Settings) -> list[Table]:
     from shardwise.testing import run_distributed
 
     d, hidden, batch = settings.mlp
+    width, rows = sizes(settings)
     table = Table(
         "pipeline_steps",
-        f"pipeline train step (1F1B, {CHUNKS} micro-batches, AdamW), ms per step: median over repeats of the "
-        "slowest rank",
-        [Column("model", "model"), Column("plain_ms", "1-process ms", ".2f"), Column("shardwise_ms", "shardwise ms", ".2f"),
-         Column("shardwise_compiled_ms", "sw compiled ms", ".2f"), Column("torch_ms", "torch pipelining ms", ".2f"),
-         Column("hand_ms", "hand-written ms", ".2f"), Column("ratio", "ratio sw/torch", ".2f"),
-         Column("compiled_ratio", "ratio compiled/torch", ".2f"), Column("compiled_vs_hand", "ratio compiled/hand", ".2f"),
-         Column("check", "check")],
+        f"pipeline train step on 2 ranks, {CHUNKS} micro-batches, ms per step: median over repeats of the slowest "
+        "rank; bubbles: median idle fraction of both ranks' timeline against the schedule's formula",
+        [Column("schedule", "schedule"), Column("model", "model"), Column("plain_ms", "1-process ms", ".2f"),
+         Column("shardwise_ms", "shardwise ms", ".2f"), Column("shardwise_compiled_ms", "sw compiled ms", ".2f"),
+         Column("torch_ms", "torch pipelining ms", ".2f"), Column("hand_ms", "hand-written ms", ".2f"),
+         Column("ratio", "ratio sw/torch", ".2f"), Column("compiled_ratio", "ratio compiled/torch", ".2f"),
+         Column("compiled_vs_hand", "ratio compiled/hand", ".2f"), Column("bubble", "bubble timeline", ".3f"),
+         Column("compute_bubble", "bubble compute", ".3f"), Column("formula", "bubble formula", ".3f"),
+         Column("vs_1f1b", "steps/s vs 1f1b", ".2f"), Column("check", "check")],
     )
     per_rank = run_distributed(pipeline_body, 2, settings, timeout=settings.timeout)
-    row: dict[str, Any] = {"model": f"MLP {d}->{hidden}->{d} x2 in 2 stages, batch {batch}"}
+    row: dict[str, Any] = {"schedule": "1f1b (AdamW)", "model": f"MLP {d}->{hidden}->{d} x2 in 2 stages, batch {batch}"}
     for k in ("plain",) + COPIES:
         ms = per_repeat_max_median([r["samples"][k] for r in per_rank])
         row[f"{k}_ms"] = None if ms is None else ms * 1e3
@@ -201,11 +210,27 @@ def run(settings: Settings) -> list[Table]:
         wrong.append(f"shardwise_compiled (programs {row['compiled_programs']}, want 1)")
     row["check"] = "ok" if not wrong else "WRONG: " + ",".join(wrong)
     table.rows.append(row)
-    for w in sorted({w for r in per_rank for w in r["warnings"]}):
+    warnings = {w for r in per_rank for w in r["warnings"]}
+    for case in CASES:
+        try:
+            case_row = schedule_row(case, run_distributed(schedule_body, 2, settings, case, timeout=settings.timeout))
+        except Exception as exc:  # a hang or a crash of one case: its row says so, the next cases still run
+            case_row = {"schedule": case.label, "check": f"FAILED: {str(exc).strip().splitlines()[0][:300]}"}
+        case_row["model"] = f"{BLOCKS} x (Linear {width}, ReLU) in {case.per_rank * 2} stages, batch {rows * CHUNKS}"
+        warnings.update(case_row.pop("warnings", []))
+        table.rows.append(case_row)
+    for w in sorted(warnings):
         table.notes.append(f"warning: {w}")
     table.notes.append("hand-written: the same 1F1B order on this rank's stage with fixed-shape isend/irecv (no "
                        "headers, no failure handling) and fused AdamW, the floor a replayed step is measured against")
     table.notes.append("sw compiled: shardwise.compile over the eager step function; each message is a host step "
                        "running the same protocol as eager (a header, the payloads inside it up to 64 KiB); "
                        "shardwise's pipes run with checkpoint='never', as torch's schedule and the floor do")
+    table.notes.append("schedule rows: forward and backward only (grads cleared between steps, no optimizer), each rank "
+                       "pinned to its own core with one thread; 2 stages per rank where the schedule takes them; "
+                       "check: loss and every gradient of both libraries against one process")
+    table.notes.append("bubble timeline: the spans as the pipe records them (a receive's wait counted busy); bubble "
+                       "compute: each span from the end of its last receive; formula: Schedule.bubble_fraction() "
+                       "(F = I = W = 1, B = 2); steps/s vs 1f1b: a shardwise 1F1B pipe's ms (the same blocks in 2 stages, stepped "
+                       "in alternation with the row's pipes) over this row's shardwise ms")
     return [table]

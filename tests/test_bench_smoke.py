@@ -11,6 +11,7 @@ same parameters, and the dispatcher spy counted shardwise's bytes exactly as
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ def test_quick_run_writes_machine_info(quick_run: Any) -> None:
     assert record["settings"]["quick"] is True
     assert record["errors"] == {}
     assert set(record["benchmarks"]) == {"overhead", "redistribute", "overlap", "steps", "memory", "fsdp", "checkpoint",
-                                         "collective_bookkeeping", "hf_load", "cross_mesh", "dry_run", "planner", "planner_quality",
+                                         "collective_bookkeeping", "hf_load", "cross_mesh", "dry_run", "planner", "planner_quality", "planner_pipeline",
                                          "planner_quality_llama", "context_parallel", "long_run",
                                          "optimizer", "pipeline_steps", "moe", "ft"}
 
@@ -110,12 +111,36 @@ def test_train_steps_and_memory_rows(quick_run: Any) -> None:
 
 def test_the_pipeline_step_row_trains_every_copy_alike_and_replays_one_program(quick_run: Any) -> None:
     proc, record = quick_run
-    (row,) = record["benchmarks"]["pipeline_steps"]["rows"]
+    row = record["benchmarks"]["pipeline_steps"]["rows"][0]
+    assert row["schedule"] == "1f1b (AdamW)", row
     assert row["check"] == "ok", row  # every copy's stage ended with the one-process parameters
     assert row["compiled_programs"] == [1, 1], row
     for k in ("plain_ms", "shardwise_ms", "shardwise_compiled_ms", "torch_ms", "hand_ms", "compiled_vs_hand"):
         assert isinstance(row[k], float), (k, row)
     assert "pipeline train step" in proc.stdout
+
+
+def test_every_pipeline_schedule_row_matches_one_process_and_measures_its_bubble(quick_run: Any) -> None:
+    from bench._pipeline_schedules import CASES
+
+    _, record = quick_run
+    rows = record["benchmarks"]["pipeline_steps"]["rows"][1:]
+    assert [r["schedule"] for r in rows] == [c.label for c in CASES]
+    assert {c.schedule for c in CASES} == {"gpipe", "1f1b", "interleaved", "looped_bfs", "zero_bubble", "zbv",
+                                           "dualpipev"}
+    for case, r in zip(CASES, rows):
+        assert r["check"] == "ok", r  # both libraries' loss and gradients equal one process's
+        assert len(set(r["cores"])) == 2 or len(os.sched_getaffinity(0)) < 2, r  # each rank on its own core
+        assert isinstance(r["shardwise_ms"], float) and isinstance(r["vs_1f1b"], float), r
+        # torch either stepped (a time, a ratio) or refused the case (its error text in the row)
+        assert isinstance(r["torch_ms"], float) and isinstance(r["ratio"], float) or "torch_error" in r, r
+        assert r["torch_class"] == case.torch_class, r
+        for k in ("bubble", "compute_bubble", "formula"):
+            assert isinstance(r[k], float) and 0.0 <= r[k] < 1.0, (k, r)
+        assert "rank 0 |" in r["compute_timeline"] and "rank 1 |" in r["compute_timeline"], r  # both ranks merged
+    formula = {r["schedule"]: r["formula"] for r in rows}  # the pure schedules' cost model, exact
+    assert formula["1f1b"] == pytest.approx(0.2) and formula["gpipe"] == pytest.approx(0.2)
+    assert formula["zbv"] < formula["1f1b"] and formula["dualpipev"] < formula["1f1b"]
 
 
 def test_overlap_rows_time_sync_and_async_for_both_libraries(quick_run: Any) -> None:
@@ -184,6 +209,9 @@ def test_the_planner_quality_rows_measure_every_plan(quick_run: Any) -> None:
     assert [r["plan"].split(" (")[0] for r in rows] == ["AutoPlanner", "megatron", "data parallel"]
     for r in rows:
         assert isinstance(r["measured_ms"], float) and isinstance(r["modelled_ms"], float), r
+    piped = record["benchmarks"]["planner_pipeline"]["rows"]  # the planner's cut isolates the heavy block
+    assert [r["split"] for r in piped] == ["planned [1, 5]", "even [3, 3]"], piped
+    assert piped[0]["modelled_ms"] < piped[1]["modelled_ms"] and all(isinstance(r["measured_ms"], float) for r in piped)
 
 
 def test_the_context_parallel_rows_check_every_rotation(quick_run: Any) -> None:
