@@ -10,6 +10,7 @@ Under a cp dim, `cp_attention` makes the step's context-parallel attention first
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Optional
@@ -59,6 +60,7 @@ class StepRun:
         self.cp: Optional[CpAttention] = None
         self.counts: list[int] = []  # under cp: each micro-batch's counted target tokens, whole
         self.current: Optional[Action] = None
+        self._began = 0.0  # when the action running began, its inputs received (its timeline span's start)
         self.weight_grads: dict[tuple[int, int], WeightGrad] = {}  # W still to run, after an I
         stop = {"always": m, "except_last": m - 1, "never": 0}[layout.checkpoint]
         self.checkpoint_stop = stop if train and training else 0
@@ -92,15 +94,22 @@ class StepRun:
                 self.targets = [_cut(t, cp) for t in self.targets]
 
     def do(self, a: Action) -> None:
+        """Run `a`; in the active timeline its span runs from the moment its inputs are in (a wait
+        for a peer is the bubble's, not the stage's) to its end."""
+        self._began = time.perf_counter()
+        if a.kind == "F":
+            self.forward(a.microbatch, a.stage)
+        elif a.kind == "W":
+            self.weights_backward(a.microbatch, a.stage)
+        else:
+            self.backward(a.microbatch, a.stage, split=a.kind == "I")
         timeline = current_timeline()
-        span = timeline.span(self.layout.rank, a.stage, a.microbatch, a.kind) if timeline else nullcontext()
-        with span:
-            if a.kind == "F":
-                self.forward(a.microbatch, a.stage)
-            elif a.kind == "W":
-                self.weights_backward(a.microbatch, a.stage)
-            else:
-                self.backward(a.microbatch, a.stage, split=a.kind == "I")
+        if timeline is not None:
+            timeline.record(self.layout.rank, a.stage, a.microbatch, a.kind, self._began, time.perf_counter())
+
+    def _received(self) -> None:
+        """The current action's inputs are in: its span starts here."""
+        self._began = time.perf_counter()
 
     def _send(self, channel: Channel, i: int, value: Any) -> None:
         self.ctx.wire.send(channel, i, value)
@@ -116,6 +125,7 @@ class StepRun:
         for key in plan.popped_at[s]:
             skip = wire.receive(plan.skip[key], i, requires_grad=self.train)
             tracker.deliver(key, skip if isinstance(skip, Tensor) else None)
+        self._received()
         out = self.ctx.stages[s].run(value, tracker, checkpoint=i < self.checkpoint_stop)
         stashed = dict(tracker.take_outbox())  # the layers made sure every declared stash happened
         for key in plan.stashed_at[s]:  # in channel order, the order the popping side receives in
@@ -162,6 +172,7 @@ class StepRun:
         for key in plan.stashed_at[s]:
             g = wire.receive(plan.skip_grad[key], i, requires_grad=False)
             tracker.put_grad(key, g if isinstance(g, Tensor) else None)
+        self._received()
         if s == layout.num_stages - 1:
             roots: list[tuple[Tensor, Optional[Tensor]]] = [(out.tensor, None)] if out.tensor.requires_grad else []
         else:  # an output the next stage did not use gets a zero gradient (skip gradients may still flow)
