@@ -253,10 +253,19 @@ def _leaf_hooks_off(slots: Sequence[Slot]) -> Iterator[None]:
 def _saves_behind_hooks(node: Node) -> bool:
     """Whether a tensor `node` saved unpacks through saved-tensor hooks (checkpointing,
     offloading): such hooks may allow one unpack per backward, so the node runs once, in B."""
-    for name in dir(node):
-        if name.startswith("_raw_saved_"):
-            saved = getattr(node, name)
-            for s in saved if isinstance(saved, (list, tuple)) else (saved,):
-                if getattr(s, "unpack_hook", None) is not None:
-                    return True
+    for name in _saved_names(type(node)):
+        saved = getattr(node, name)
+        for s in saved if isinstance(saved, (list, tuple)) else (saved,):
+            if getattr(s, "unpack_hook", None) is not None:
+                return True
     return False
+
+
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}  # per autograd node class: its saved tensors' attributes
+
+
+def _saved_names(cls: type) -> tuple[str, ...]:
+    names = _SAVED_NAMES.get(cls)
+    if names is None:  # (one `dir` per node class: a backward walks hundreds of nodes of a few classes)
+        names = _SAVED_NAMES[cls] = tuple(n for n in dir(cls) if n.startswith("_raw_saved_"))
+    return names
