@@ -271,7 +271,10 @@ def test_a_killed_group_heals_from_the_live_one_at_the_next_sync(results: dict[s
     assert run["b"]["healed"] >= 1 and f"b{KILLED} heals from a{KILLED}" in log, log
     assert f"left {{'b{KILLED}': 'heartbeat stale'}}" in log, log  # (a went on alone while b was down)
     last = {rid: run[rid]["records"][-1] for rid in GROUPS}
-    assert last["a"]["members"] == list(GROUPS) and all(last[rid]["committed"] for rid in GROUPS), last
+    # b's last quorum holds a: their last sync together or, when a loaded machine made b miss it (past
+    # join_timeout), the final quorum in which b heals from a, finished, to the end (no sync taken twice)
+    assert last["b"]["members"] == list(GROUPS) and last["a"]["members"] in (["a"], list(GROUPS)), last
+    assert all(last[rid]["committed"] for rid in GROUPS), last
     for name, p in last["a"]["params"].items():
         assert torch.equal(p, last["b"]["params"][name]), name
 
