@@ -67,10 +67,11 @@ def test_a_manager_of_a_group_of_two_made_outside_any_world_or_launch_is_a_value
         _manager(lighthouse.address, "a", world_size=2)
 
 
-def test_a_group_of_another_shape_is_refused_by_name_and_the_others_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_group_of_another_shape_is_refused_by_name_and_the_others_go_on(monkeypatch: pytest.MonkeyPatch,
+                                                                         capfd: pytest.CaptureFixture[str]) -> None:
     _as_torchrun_rank(monkeypatch)  # (b: rank 0 of a group of 2, before its world)
     with Lighthouse(rule=QuorumRule(min_replicas=1, join_timeout=0.1), log=io.StringIO()) as lighthouse:
-        a = _manager(lighthouse.address, "a")
+        a = _manager(lighthouse.address, "a", quorum_timeout=timedelta(seconds=5))
         a.start_quorum()
         assert a.should_commit() and a.current_step() == 1
         b = _manager(lighthouse.address, "b", world_size=2)  # (as its rank 0: it asks for its group of 2)
@@ -78,8 +79,9 @@ def test_a_group_of_another_shape_is_refused_by_name_and_the_others_go_on(monkey
             b.start_quorum()
         a.start_quorum()
         assert a.should_commit() and a.num_participants() == 1 and a.current_step() == 2
-        a.shutdown()
+        a.shutdown()  # finished: it does not stay for b, refused (alive, never to ask again)
         b.shutdown()
+    assert "after quorum_timeout" not in capfd.readouterr().err
 
 
 def test_garbage_and_pickles_sent_to_the_lighthouse_change_nothing_and_run_nothing(

@@ -69,6 +69,7 @@ class Lighthouse:
         self._asking: dict[str, tuple[Ask, float, str]] = {}  # id -> (ask, when read, its answer key)
         self._answered: dict[str, str] = {}  # id -> the answer key last answered
         self._last_steps: dict[str, int] = {}  # id -> the step of its last ask
+        self._refused: set[str] = set()  # groups whose last ask was refused: finished groups do not wait for them
         self._group_size: Optional[int] = None
         self._previous: tuple[str, ...] = ()
         self._formed = 0
@@ -115,12 +116,14 @@ class Lighthouse:
                         self._last_steps)
         if quorum is not None:
             self._publish(quorum, fresh)
-        if fresh and all(rid in self._asking and self._asking[rid][0].done for rid in fresh):
+        done = [rid for rid, (ask, _, _) in self._asking.items() if ask.done]
+        if done and all(rid in self._refused or (rid in self._asking and self._asking[rid][0].done) for rid in fresh):
             self._release()
         return quorum
 
     def _release(self) -> None:
-        """Every live group has finished: nobody is left to give state to, and the finished ones go."""
+        """Every live group has finished (or was refused): nobody is left to give state to, and the
+        finished ones go."""
         for rid, (ask, _, key) in list(self._asking.items()):
             if ask.done:
                 self._answer(key, json.dumps({"released": f"every live group finished (this one at step {ask.step})"}))
@@ -175,7 +178,9 @@ class Lighthouse:
                 f"replica group {rid} has {ask.group_size} ranks and the others {self._group_size}: every replica "
                 "group must have the same shape (launch each with the same -n)")}))
             self._answered[rid] = key
+            self._refused.add(rid)
             return
+        self._refused.discard(rid)
         self._asking[rid] = (ask, now, key)
         self._last_steps[rid] = ask.step
 
