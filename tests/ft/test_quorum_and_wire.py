@@ -124,7 +124,7 @@ def test_a_decision_read_before_the_lighthouse_died_is_the_one_every_rank_return
         outcome: list[bool] = []  # ... and comes back; a, still voting, waits a second for b's vote
         voting = threading.Thread(target=lambda: outcome.append(a.vote(quorum, True, timedelta(seconds=1))))
         voting.start()
-        time.sleep(0.3)
+        time.sleep(1.5)  # (past a's own second: having reconnected, a waits longer for the others to repost)
         with pytest.raises(TimeoutError):  # b asks for its next quorum: it reconnects and reposts what it read
             b.quorum("t6", 6, timedelta(seconds=0.5))
         voting.join(60)

@@ -198,19 +198,20 @@ class QuorumClient:
         its wait over) writes the decision with one compare-and-set, and every rank returns
         that one decision, so no two ranks ever disagree on whether the step counts."""
         voted = self._voted = (f"vote/{quorum.quorum_id}/{self.replica_id}/{self.group_rank}", "1" if ok else "0")
+        reconnects = self.reconnects  # (a reconnect while posting the vote counts as one during the count)
         self._retrying(lambda s: s.set(*voted))
         keys = [f"vote/{quorum.quorum_id}/{m}/{r}" for m in quorum.voters for r in range(quorum.group_size)]
         decision = f"decision/{quorum.quorum_id}"
-        outcome = self._count(keys, decision, timeout.total_seconds())
+        outcome = self._count(keys, decision, timeout.total_seconds(), reconnects)
         self._decided = (decision, self._retrying(lambda s: s.compare_set(decision, "", outcome)).decode())
         return self._decided[1] == "1"
 
-    def _count(self, keys: list[str], decision: str, timeout: float) -> str:
+    def _count(self, keys: list[str], decision: str, timeout: float, reconnects: int) -> str:
         """The outcome of the votes `keys`: "1" when all arrive within `timeout` and say yes, else
         "0" (and whatever another rank already decided wins over it, by the compare-and-set). If
         the service restarts meanwhile, the wait starts again, for at least `CALL_TIMEOUT_S`: the
         other ranks repost their votes, or the decision they read, as they reconnect."""
-        pause, reconnects, deadline = 0.001, self.reconnects, time.monotonic() + timeout
+        pause, deadline = 0.001, time.monotonic() + timeout
         while True:
             if self._retrying(lambda s: s.check(keys)):
                 try:
