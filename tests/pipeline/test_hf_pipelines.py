@@ -134,6 +134,17 @@ def test_interleaved_stages_sum_gpt2s_tied_embeddings() -> None:
     assert loss <= 1e-6 and param <= 1e-10, (loss, param)
 
 
+@pytest.mark.parametrize("which", ["llama (sdpa, GQA)", "gpt2 (tied embeddings)"])
+@distributed(world_size=2)
+def test_an_unchanged_hf_model_trains_under_the_zero_bubble_schedules(which: str) -> None:
+    # backwards split into I and W: ZB-H1 on 2 stages, and ZBV's V (GPT-2's tied embedding and head
+    # both on rank 0: stages 0 and 3)
+    mesh = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    for schedule, balance in (("zero_bubble", None), ("zbv", [1, 1, 1, 1])):
+        loss, param = _train(which, torch.float64, mesh, schedule=schedule, balance=balance)
+        assert loss <= 1e-6 and param <= 1e-10, (which, schedule, loss, param)
+
+
 @distributed(world_size=4)
 def test_data_parallel_pipelines_of_an_hf_model_train_like_one_process() -> None:
     mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
