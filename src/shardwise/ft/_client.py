@@ -181,16 +181,24 @@ class QuorumClient:
         if self.leader:
             ask = self._last_ask = Ask(self.replica_id, token, step, self.group_size, done)
             self._retrying(lambda s: s.set(f"ask/{self.replica_id}", ask.dumps()))
-        if not self._arrived([key], time.monotonic() + timeout.total_seconds()):
-            raise TimeoutError(f"replica group {self.replica_id}: no quorum within {timeout.total_seconds():g} s "
-                               f"(lighthouse {self.address}); fewer groups than min_replicas are alive?")
-        answer = self._retrying(lambda s: s.get(key)).decode()
-        if answer.startswith("{"):
-            data = json.loads(answer)
-            if done and "released" in data:
-                return None
-            raise ValueError(data.get("error", answer))
-        return Quorum.loads(self._retrying(lambda s: s.get(f"quorum/{answer}")).decode())
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            if not self._arrived([key], deadline):
+                raise TimeoutError(f"replica group {self.replica_id}: no quorum within {timeout.total_seconds():g} s "
+                                   f"(lighthouse {self.address}); fewer groups than min_replicas are alive?")
+            reconnects = self.reconnects
+            answer = self._retrying(lambda s: s.get(key)).decode()
+            if answer.startswith("{"):
+                data = json.loads(answer)
+                if done and "released" in data:
+                    return None
+                raise ValueError(data.get("error", answer))
+            try:
+                return Quorum.loads(self._retrying(lambda s: s.get(f"quorum/{answer}")).decode())
+            except dist.DistStoreError:
+                if self.reconnects == reconnects:
+                    raise
+                # the service restarted between its answer and its quorum: the ask (reposted) is answered anew
 
     def vote(self, quorum: Quorum, ok: bool, timeout: timedelta) -> bool:
         """Post this rank's vote on the quorum's step and return the decision: True when every rank
