@@ -118,6 +118,31 @@ def test_middle_stage_b_does_the_input_matmuls_and_w_the_weight_matmuls() -> Non
     assert (b.count, wc.count) == (2, 2), "B: dx of both layers; W: dW of both layers (biases are sums)"
 
 
+def test_w_accumulates_each_layers_weight_before_the_next_layers_matmul() -> None:
+    """Independent layers are separate parts of W: one weight gradient is held at a time, as in
+    plain backward, rather than every layer's before the first accumulates."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.ReLU()) for _ in range(4)]).to(D)
+    x = _x(5, 6)
+    _check(copy.deepcopy(model), _call, [x])
+    events: list[str] = []
+    for p in model.parameters():
+        if p.ndim == 2:
+            p.register_post_accumulate_grad_hook(lambda p: events.append("acc"))
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.overloadpacket is torch.ops.aten.mm:
+                events.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    y = model(x)
+    w = backward_input([y], _grads([y]), [x])[1]
+    with Log():
+        w.run()
+    assert events == ["mm", "acc"] * 4, events
+
+
 def test_first_stage_b_runs_nothing_and_w_runs_the_whole_backward() -> None:
     model = _mlp()
     x = _x(5, 4, grad=False)

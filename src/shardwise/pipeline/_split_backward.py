@@ -22,10 +22,14 @@ crosses in one of two ways:
   saved tensors sit behind saved-tensor hooks, as under `torch.utils.checkpoint`, whose
   hooks allow one unpack per backward: the recomputation then happens once, in B.
 
-W then runs the W side in one pass, from the kept and re-run gradients, so each sum into a
-weight's gradient is formed as plain backward forms it: bit for bit, unless one sum mixes
-three terms or more from both sides of the cut (then only the order of its additions
-differs). B keeps the graph only when some intermediate is re-run; W frees all it holds.
+W runs the W side from the kept and re-run gradients in *parts*: the crossings whose W-side
+nodes below them overlap go together, re-run in B's order and then sent on in one pass, so
+each sum into a weight's gradient is formed as plain backward forms it: bit for bit, unless
+one sum mixes three terms or more from both sides of the cut (then only the order of its
+additions differs). Parts that share no node are independent, and each accumulates before
+the next re-runs: a stage of Linear layers holds one weight gradient at a time, as plain
+backward does, not one per layer (which costs fresh memory and cache, a few percent of W).
+B keeps the graph only when some intermediate is re-run; W frees all it holds.
 
 >>> import torch
 >>> layer = torch.nn.Linear(3, 2)
@@ -53,26 +57,39 @@ Slot = tuple[Node, int]  # where a gradient flows in: a node and the index of on
 
 
 class WeightGrad:
-    """W of one `backward_input`: `run()`, once, accumulates what B left for the W side."""
+    """W of one `backward_input`: `run()`, once, accumulates what B left for the W side, part
+    by part (see the module docstring)."""
 
-    def __init__(self, reruns: list[tuple[Node, tuple[Optional[Tensor], ...], list[Slot]]],
-                 kept: list[tuple[Slot, Tensor]]) -> None:
-        self._reruns, self._kept, self._ran = reruns, kept, False
+    def __init__(self, parts: list[_Part]) -> None:
+        self._parts, self._ran = parts, False
 
     def run(self) -> None:
         if self._ran:
             raise ValueError("WeightGrad.run(): this W has run already; each backward_input() gives one W "
                              "to run once (run B again, with a new forward, for another W)")
         self._ran = True
-        reruns, flows = self._reruns, self._kept
-        self._reruns, self._kept = [], []
-        for node, grads, slots in reruns:  # in B's order, so sums into one slot add up as plain backward's
+        parts, self._parts = self._parts, []
+        while parts:
+            parts.pop(0).run()
+
+
+class _Part:
+    """Crossings of the cut whose W-side nodes overlap: re-runs (node, the gradients it got in
+    B, the W-side slots it runs for), in B's order, and the gradients B kept at W-side slots."""
+
+    def __init__(self) -> None:
+        self.reruns: list[tuple[Node, tuple[Optional[Tensor], ...], list[Slot]]] = []
+        self.kept: list[tuple[Slot, Tensor]] = []
+
+    def run(self) -> None:
+        flows, self.kept = self.kept, []
+        for node, grads, slots in self.reruns:  # in B's order, so sums into one slot add up as plain backward's
             given = [(GradientEdge(node, k), g) for k, g in enumerate(grads) if g is not None]
             with _leaf_hooks_off(slots):
                 got = torch.autograd.grad([e for e, _ in given], [GradientEdge(*s) for s in slots],
                                           [g for _, g in given], allow_unused=True)
             flows += [(s, g) for s, g in zip(slots, got) if g is not None]
-        del reruns
+        self.reruns = []
         if flows:
             torch.autograd.backward([GradientEdge(*s) for s, _ in flows], [g for _, g in flows])
 
@@ -87,7 +104,7 @@ def backward_input(roots: Sequence[Tensor], grads: Optional[Sequence[Optional[Te
     wanted = [k for k, x in enumerate(inputs) if x.requires_grad]
     results: list[Optional[Tensor]] = [None] * len(inputs)
     if not pairs:
-        return results, WeightGrad([], [])
+        return results, WeightGrad([])
     root_slots = [_slot(t) for t, _ in pairs]
     input_slots = [_slot(inputs[k]) for k in wanted]
     floor = {node for node, _ in input_slots}
@@ -105,7 +122,42 @@ def backward_input(roots: Sequence[Tensor], grads: Optional[Sequence[Optional[Te
     for k, g in zip(wanted, got):
         results[k] = g
     kept = [(s, g) for s, g in zip(kept_slots, got[len(input_slots):]) if g is not None]
-    return results, WeightGrad([(node, grads_in, reruns[node]) for node, grads_in in seen.items()], kept)
+    return results, WeightGrad(_parts(graph, [(node, grads_in, reruns[node]) for node, grads_in in seen.items()],
+                                      kept))
+
+
+def _parts(graph: _Graph, reruns: list[tuple[Node, tuple[Optional[Tensor], ...], list[Slot]]],
+           kept: list[tuple[Slot, Tensor]]) -> list[_Part]:
+    """The crossings grouped into parts whose W-side nodes (the slots' nodes and all below them)
+    overlap, in the order of each part's first crossing; within a part, B's order."""
+    def below(slots: Sequence[Slot]) -> int:
+        bits = 0
+        for node, _ in slots:
+            bits |= graph.bit[node] | graph.below[node]
+        return bits
+
+    masks = [below([slot]) for slot, _ in kept] + [below(slots) for _, _, slots in reruns]
+    owner = list(range(len(masks)))  # union-find over the crossings
+
+    def root(k: int) -> int:
+        while owner[k] != k:
+            owner[k] = owner[owner[k]]
+            k = owner[k]
+        return k
+
+    seen: dict[int, int] = {}  # a W-side node's bit -> a crossing above it
+    for k, bits in enumerate(masks):
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            other = seen.setdefault(low, k)
+            owner[root(k)] = root(other)
+    parts: dict[int, _Part] = {}
+    for k, (slot, g) in enumerate(kept):
+        parts.setdefault(root(k), _Part()).kept.append((slot, g))
+    for k, rerun in enumerate(reruns, len(kept)):
+        parts.setdefault(root(k), _Part()).reruns.append(rerun)
+    return list(parts.values())
 
 
 def _pairs(roots: Sequence[Tensor], grads: Optional[Sequence[Optional[Tensor]]]) -> list[tuple[Tensor, Optional[Tensor]]]:
