@@ -253,27 +253,39 @@ def test_the_mode_is_off_by_default_and_restored_after_an_error() -> None:
 
 
 @distributed(world_size=2)
-def test_torch_loss_parallel_around_shardwise_dtensors_warns_once_naming_shardwise_loss_parallel() -> None:
-    # regression: a ported program still calling torch's loss_parallel() by its full path got no loss
-    # parallelism, silently: torch's context manager reaches torch's DTensor only, so the logits were gathered
+def test_torch_loss_parallel_by_its_full_path_keeps_shardwise_logits_split() -> None:
+    # a ported program that still calls torch's loss_parallel() by its full path (torchtitan does) gets
+    # loss parallelism on shardwise DTensors: the forward moves no logits, only the per-row all_reduces
+    # (before: a warning, and the logits gathered whole); outside it the same op gathers as before
     import warnings
 
     from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 
-    from shardwise._tensor import _torch_loss
+    from shardwise.debug import CommCounter
 
-    _torch_loss._warn.cache_clear()
     mesh = sw.init_device_mesh("cpu", (2,))
-    # shapes no other test uses: the warning comes when an op's plan is made (later calls reuse it)
-    full, target = torch.randn(5, 11, generator=torch.Generator().manual_seed(0)), torch.arange(5) % 11
-    logits = sw.distribute_tensor(full, mesh, [Shard(1)])
-    with pytest.warns(UserWarning, match=r"torch\.distributed\.tensor\.parallel\.loss_parallel\(\) is on.*"
-                                         r"shardwise\.parallel\.loss_parallel\(\)"):
-        with torch_loss_parallel():
-            loss = F.cross_entropy(logits, target)
-    torch.testing.assert_close(loss.full_tensor(), F.cross_entropy(full, target))
+    rows, classes = 6, 1001
+    full = torch.randn(rows, classes, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    target = torch.arange(rows) * 7 % classes
+    ref = full.clone().requires_grad_()
+    want = F.cross_entropy(ref, target)
+    want.backward()
+
+    logits = sw.distribute_tensor(full, mesh, [Shard(1)]).requires_grad_()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with loss_parallel():  # shardwise's own: no warning
-            F.cross_entropy(sw.distribute_tensor(full * 2, mesh, [Shard(1)]), target)
-        F.cross_entropy(sw.distribute_tensor(full * 3, mesh, [Shard(1)]), target)  # neither on: no warning
+        with torch_loss_parallel():
+            with CommCounter() as forward:
+                loss = F.cross_entropy(logits, target)
+            loss.backward()
+    torch.testing.assert_close(loss.full_tensor(), want, rtol=0, atol=1e-12)
+    assert logits.grad is not None and logits.grad.placements == (Shard(1),)
+    torch.testing.assert_close(logits.grad.full_tensor(), ref.grad, rtol=0, atol=1e-12)
+    kinds = forward.totals()
+    moved = sum(nbytes for _, nbytes in kinds.values())
+    assert set(kinds) <= {"all_reduce"} and moved < rows * 8 * 8, f"the forward moved {kinds}: logits travelled"
+    assert loss.placements[0].is_partial() or loss.placements[0] == Replicate(), loss.placements
+
+    with CommCounter() as outside:  # neither mode on: the logits move (each rank's rows, all their classes)
+        F.cross_entropy(sw.distribute_tensor(full, mesh, [Shard(1)]), target)
+    assert sum(nbytes for _, nbytes in outside.totals().values()) >= (rows // 2) * (classes // 2) * 8

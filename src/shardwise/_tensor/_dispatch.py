@@ -46,12 +46,12 @@ from .._layout import contiguous_strides
 from .._mesh import AbstractMesh, DeviceMesh
 from .._ops import (ACTIVE_MODES, LOSS_PARALLEL_OPS, CatParts, OpCall, OpRule, PlainTensor, RunDecomposed, RunOutside,
                    RunPerMesh, RunSharded, ScalarTensor, SliceBackwardParts, SliceParts, SplitParts, Unstride, make_plan,
-                   rule_for)
+                   op_mode, rule_for)
 from .._ops import LOSS_PARALLEL as _LOSS_MODE
 from .._spec import DTensorSpec, TensorMeta
 from ._grad_reduce import watch_plain_leaf
 from ._plain import check_plain, forget_checks, meets_plain
-from ._torch_loss import warn_if_torch_loss_parallel
+from ._torch_loss import torch_loss_parallel_on
 from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, OutsidePlan, Plan, RestridedPlan, ViewPlan,
                      implicit, implicit_replication, misplaced, restride)
 from ._redistribute import move_between
@@ -79,7 +79,7 @@ _SPEC_OF = operator.attrgetter("_spec")
 _NDIM_OF, _DTYPE_OF, _DEVICE_TYPE_OF = (operator.attrgetter(n) for n in ("ndim", "dtype", "device.type"))
 _SCALAR_TYPES = frozenset(_SCALARS)
 _CAT = torch.ops.aten.cat.default
-_LOSS_OPS = frozenset(LOSS_PARALLEL_OPS)  # torch's loss_parallel() around them is a mistake to warn of
+_LOSS_OPS = frozenset(LOSS_PARALLEL_OPS)  # under torch's loss_parallel() they run as under shardwise's
 # A plan is made once and a cached plan skips `check_plain`. One made inside
 # implicit_replication() for a call where plain tensors meet DTensors (the user vouches for
 # them and nothing is checked) is cached under its key plus this mark, so the same call outside
@@ -95,6 +95,9 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
     if kwargs is None:
         kwargs = {}
     modes = ACTIVE_MODES[0]
+    if func in _LOSS_OPS and _LOSS_MODE not in modes and torch_loss_parallel_on():
+        with op_mode(_LOSS_MODE):  # a program calling torch's loss_parallel() by its full path
+            return torch_dispatch(cls, func, types, args, kwargs)
     free = _FLOATS_BY_TYPE.get(func)
     if free is None:
         free = _FLOATS_BY_TYPE[func] = rule_for(func, frozenset()).floats_by_type
@@ -146,8 +149,6 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
                 if meets_plain(func, args, kwargs):
                     key = marked
             rule = rule_for(func, modes)
-            if func in _LOSS_OPS and _LOSS_MODE not in modes:
-                warn_if_torch_loss_parallel(func)
             if not (vouched or rule.plain_as_replicated):
                 check_plain(func, modes, args, kwargs)
             return _first_run(key, func, args, kwargs, rule)
