@@ -10,6 +10,8 @@ modelled time of dry runs (`CostModel`), under a memory budget per rank.
 `plan_pipeline(layers, pp, example_inputs)` chooses a pipeline the same way: stage
 boundaries, micro-batches and schedule by a modelled step, each stage's memory and the
 bubble in its `report()`, and `plan.pipe(layers, mesh, loss_fn=...)` builds it.
+`AutoPlanner` weighs such a pipeline as the "pp" role of a mesh dim (beside "dp" or "zero"
+on a 2-D mesh), and its `apply` builds the pipe.
 """
 
 from ._auto import AutoPlanner, CandidateLike

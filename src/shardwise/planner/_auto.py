@@ -29,15 +29,23 @@ An "ep" candidate's dry run routes uniformly (every expert the same share of the
 `dry_run`'s default): its all_to_all bytes are those of a balanced router, its memory the
 experts divided over the dim. It is offered on 1-D meshes.
 
+For an `nn.Sequential` with a layer for every stage, a mesh dim may be a pipeline ("pp": its
+ranks hold consecutive stages, `DistributedPipe`): ("pp",) on a 1-D mesh, pp on either dim of
+a 2-D mesh with "dp" or "zero" on the other (pp beside "tp" is not planned). Its cost is not a
+dry run but `plan_pipeline`'s model on the pipeline's share of the batch (stage boundaries
+balanced by modelled time and memory, micro-batches, schedule), plus the data dim's gradient
+reduction and the activations crossing stages (`_auto_pipeline`); the report shows its stages.
+
 On a 1-D mesh one more candidate, "auto", is the layout solver's plan (`_layout_plan`: a
 layout per parameter and input chosen from every op's strategies by an integer program),
 measured by the same dry run; `planner.layouts` holds it.
 
 The plan is an ordinary `ShardingPlan` (the tp styles, empty when no dim is tp; the solver's
 layouts for "auto"); the roles are in `planner.report`; `planner.apply(model, mesh)` does
-both on a real mesh, and `planner.local_inputs(batch, mesh)` gives each rank its share.
-`planner.compare(model, {...})` measures candidates of one's own the same way: roles, or
-`ShardingPlan`s (another planner's, a hand-written one).
+both on a real mesh (for "pp", it builds the planned `DistributedPipe`), and
+`planner.local_inputs(batch, mesh)` gives each rank its share. `planner.compare(model, {...})`
+measures candidates of one's own the same way: roles, or `ShardingPlan`s (another planner's,
+a hand-written one).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from .._placement import Placement, Replicate, Shard
 from ..debug import dry_run
 from ..parallel import (ExpertParallel, MegatronPlanner, PrepareModuleInput, ShardingPlan, ShardingPlanner,
                         data_parallel, parallelize_module, shard_module)
+from ._auto_pipeline import build_pipe, check_pipeline, measure_pipeline, pipeline_roles
 from ._cost import CostModel, StepCost
 from ._layout_plan import LayoutPlan, plan_layouts
 from ._model import cut_plan, default_loss, experts_modules, meta_copy, repeated, steady
@@ -63,7 +72,7 @@ from ._solve import MemoryBudgetError
 __all__ = ["AutoPlanner", "CandidateLike"]
 
 Roles = tuple[str, ...]
-ROLES = ("dp", "zero", "tp", "ep", "auto")
+ROLES = ("dp", "zero", "tp", "ep", "auto", "pp")
 DATA = ("dp", "zero", "ep")  # the roles that split the batch
 PLANNED = ("tp", "auto")  # the roles whose mesh dim a ShardingPlan shards
 # what `compare` measures: roles, a plan (1-D meshes), or a plan and the roles saying where it goes
@@ -72,8 +81,8 @@ CandidateLike = Union[Sequence[str], ShardingPlan, tuple[ShardingPlan, Sequence[
 
 class AutoPlanner(ShardingPlanner):
     """Chooses a role for every mesh dim of `mesh` (data parallel, ZeRO-3, tensor parallel,
-    expert parallel) by the modelled time of one training step on `example_inputs` (the global
-    batch: data-parallel and expert-parallel dims split its dim 0), under `memory_budget` bytes
+    expert parallel, pipeline) by the modelled time of one training step on `example_inputs`
+    (the global batch: data-parallel and expert-parallel dims split its dim 0), under `memory_budget` bytes
     per rank (see the module docstring). The dry runs run a mixture of experts' experts
     modules on meta tensors: transformers' eager expert loop reads the routes on the host,
     which they cannot; plan such a model with `experts_implementation="batched_mm"` (or
@@ -126,7 +135,8 @@ class AutoPlanner(ShardingPlanner):
         start = time.perf_counter()
         tp_plan = self.tp_planner.build_plan(module)
         experts = self.abstract.ndim == 1 and bool(experts_modules(module, self.abstract.shape[0]))
-        options = [r for r in self._options(bool(tp_plan.plan), experts)
+        piped = pipeline_roles(module, self.abstract.shape)
+        options = [r for r in self._options(bool(tp_plan.plan), experts, bool(piped)) + piped
                    if self._splits(r) and self._valid(module, tp_plan, r)]
         self.layouts = None
         if self.abstract.ndim == 1 and not experts:  # (the solver knows no token dispatch: "ep" stands for it)
@@ -167,6 +177,9 @@ class AutoPlanner(ShardingPlanner):
         - `(plan, roles)`: the plan over the mesh dim whose role is "tp", data parallel ("dp")
           or ZeRO-3 ("zero") over the other: how a plan is placed on a 2-D mesh.
 
+        A pipeline is roles too: `("pp",)`, `("pp", "dp")`, `("zero", "pp")` (pp beside "tp"
+        is not planned); its `PipelinePlan` is the report's for the same roles.
+
         The answer maps each name to its `StepCost`; printed, it is a table like the report's:
 
             planner.compare(model, {"megatron": MegatronPlanner().build_plan(model), "data parallel": ("dp",)})
@@ -180,32 +193,50 @@ class AutoPlanner(ShardingPlanner):
             costs[name] = self._candidate(module, roles, plan).cost
         return Comparison(self.mesh.shape, self.names, costs, self.memory_budget)
 
-    def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    def apply(self, module: nn.Module, mesh: DeviceMesh, **pipe_kwargs: Any) -> nn.Module:
         """Shard `module` on the real `mesh` (the planned shape) as the report chose: the plan
-        over the tp dim, then data parallel (ZeRO-3 for "zero") over the other."""
+        over the tp dim, then data parallel (ZeRO-3 for "zero") over the other. A pp choice is
+        `DistributedPipe(module, balance, mesh, pp_dim=, dp_dim=, shard_parameters=, schedule=,
+        chunks=, **pipe_kwargs)` as planned (`loss_fn=`, `checkpoint=`, ... in `pipe_kwargs`);
+        each rank passes `pipe.step` its `local_inputs`."""
         if self.report is None:
             self.build_plan(module)
         assert self.report is not None
         if tuple(mesh.shape) != tuple(self.mesh.shape):
             raise ValueError(f"the plan is for a mesh of shape {self.mesh.shape}, got {mesh.shape}")
-        return _shard(module, mesh, self.names, self.report.chosen.roles, self.report.plan)
+        chosen = self.report.chosen
+        if chosen.pipeline is not None:
+            check_pipeline(module, chosen.roles, self.abstract.shape, self.names)
+            assert isinstance(module, nn.Sequential)
+            return build_pipe(module, mesh, tuple(mesh.mesh_dim_names or self.names), chosen.roles, chosen.pipeline,
+                              **pipe_kwargs)
+        if pipe_kwargs:
+            raise TypeError(f"apply({', '.join(f'{k}=' for k in pipe_kwargs)}): keywords go to the DistributedPipe "
+                            f"of a pp choice, and the plan chose {chosen.roles}")
+        return _shard(module, mesh, self.names, chosen.roles, self.report.plan)
 
     def local_inputs(self, inputs: Sequence[Any], mesh: DeviceMesh) -> tuple[Any, ...]:
         """This rank's share of the global batch `inputs` under the chosen plan: the rows of
-        its data-parallel coordinate for a data-parallel dim or an input the solver splits
-        (`Shard(0)`), the whole input otherwise."""
+        its data-parallel coordinate for a data-parallel dim (a pipeline's: pass the targets
+        too, `local_inputs((x, y), mesh)`) or an input the solver splits (`Shard(0)`), the
+        whole input otherwise."""
         if self.report is None:
             raise ValueError("local_inputs follows the chosen plan: call build_plan first")
         dims = _row_dims(self.report.chosen.roles, self.report.plan, inputs)
         return tuple(x if d is None else x.chunk(mesh.size(d))[mesh.get_local_rank(d)] for x, d in zip(inputs, dims))
 
-    def _options(self, can_tp: bool, experts: bool) -> list[Roles]:
+    def _options(self, can_tp: bool, experts: bool, can_pp: bool) -> list[Roles]:
+        """The candidates without a pipeline (`pipeline_roles` gives those)."""
         if self.abstract.ndim == 1:
             one: list[Roles] = [("dp",), ("zero",)]
             return one + ([("tp",)] if can_tp else []) + ([("ep",)] if experts else [])
+        if not can_tp and can_pp:
+            return []
         if not can_tp:
-            raise ValueError(f"a 2-D mesh needs a tensor-parallel dim, but {type(self.tp_planner).__name__} found no "
-                             "layer to cut: plan a 1-D mesh, or pass tp_planner=")
+            raise ValueError(f"a 2-D mesh needs a tensor-parallel or pipeline dim, but "
+                             f"{type(self.tp_planner).__name__} found no layer to cut and the model is no "
+                             "nn.Sequential with a layer per pp rank: plan a 1-D mesh, pass tp_planner=, or give the "
+                             "layers as an nn.Sequential")
         out: list[Roles] = []
         for tp in range(2):
             for data in ("dp", "zero"):
@@ -269,6 +300,15 @@ class AutoPlanner(ShardingPlanner):
                              f"experts module that ExpertParallel(tokens=\"split\") takes on {self.abstract.shape[0]} "
                              f"ranks (stacked experts called as experts(hidden_states, top_k_index, top_k_weights), "
                              f"at least one per rank): use 'dp' or 'zero'")
+        if "pp" in roles:
+            check_pipeline(module, roles, self.abstract.shape, self.names)
+            assert isinstance(module, nn.Sequential)
+            data = [d for d, r in enumerate(roles) if r in DATA]
+            share = tuple(_share(x, self.abstract.shape[data[0]]) if data else x for x in self.example_inputs)
+            cost, pipeline = measure_pipeline(module, roles, self.abstract.shape, self.names, share, self.cost,
+                                              self.memory_budget, _state_factor(self.optimizer))
+            return Candidate(roles, cost, self.memory_budget is None or cost.peak_bytes <= self.memory_budget,
+                             pipeline)
         blocks = repeated(module)
         if blocks is None or len(blocks[1]) <= 2:
             cost = self._measure(module, roles, None, plan)

@@ -107,7 +107,7 @@ def plan_pipeline(module: nn.Sequential, pp: int, example_inputs: Any, *, chunks
     if bad or not tries:
         raise ValueError(f"plan_pipeline(chunks={tries!r}): micro-batch counts between 1 and the batch's {rows} rows")
     cost = cost if cost is not None else CostModel.gloo_cpu()
-    flops, params, saved = _profile(module, example_inputs)
+    flops, params, saved, _ = _profile(module, example_inputs)
     layer_seconds = [f / cost.flops_per_second for f in flops]
     layer_bytes = [p * param_scale for p in params]
     candidates = []
@@ -167,9 +167,10 @@ def step_seconds(schedule: Schedule, seconds: Callable[[Action], float]) -> tupl
     return step, (1.0 - busy / (schedule.num_ranks * step) if step > 0 else 0.0)
 
 
-def _profile(module: nn.Sequential, example_inputs: Any) -> tuple[list[float], list[int], list[int]]:
-    """Per layer: forward FLOPs, parameter bytes and saved-activation bytes on the whole batch, on meta."""
-    flops, params, saved = [], [], []
+def _profile(module: nn.Sequential, example_inputs: Any) -> tuple[list[float], list[int], list[int], list[int]]:
+    """Per layer: forward FLOPs, parameter bytes, saved-activation bytes and output bytes (what
+    it sends the next layer) on the whole batch, on meta."""
+    flops, params, saved, sent = [], [], [], []
     value: Any = _meta(example_inputs)
     for layer in module:
         meta = layer if all(p.is_meta for p in layer.parameters()) else copy.deepcopy(layer).to("meta")
@@ -188,8 +189,9 @@ def _profile(module: nn.Sequential, example_inputs: Any) -> tuple[list[float], l
         flops.append(float(counter.get_total_flops()))
         params.append(sum(p.numel() * p.element_size() for p in meta.parameters()))
         saved.append(sum(kept.values()))
+        sent.append(sum(t.numel() * t.element_size() for t in Batch(value).tensors))
         value = _detached(value)
-    return flops, params, saved
+    return flops, params, saved, sent
 
 
 def _meta(value: Any) -> Any:
@@ -254,8 +256,15 @@ def _in_flight(schedule: Schedule) -> list[int]:
 def _rank_bytes(plan: PipelinePlan, pp: int) -> int:
     """The most bytes a rank holds: its stages' peaks together."""
     mine = [0] * pp
-    where = (ScheduleZBVZeroBubble(pp, 1).stage_rank if plan.schedule in ("zbv", "dualpipev")
-             else (lambda s: s % pp))
+    where = _stage_rank(plan.schedule, pp)
     for s, b in enumerate(plan.stage_bytes):
         mine[where(s)] += b
     return max(mine)
+
+
+def _stage_rank(schedule: str, pp: int) -> Callable[[int], int]:
+    """The pp rank of each stage under `schedule`: a V (rank k holds stages k and 2 pp - 1 - k)
+    for zbv and dualpipev, round robin otherwise."""
+    if schedule in ("zbv", "dualpipev"):
+        return ScheduleZBVZeroBubble(pp, 1).stage_rank
+    return lambda s: s % pp

@@ -3,7 +3,9 @@
 
 Both tables have a row per candidate with its modelled step (compute + communication),
 the bytes each rank receives and its peak memory, so a candidate compared by hand reads
-against the report's row for the same roles.
+against the report's row for the same roles. Under the report's table, the pipeline of the
+chosen pp candidate (or of the fastest pp candidate, when another won): each stage's layers,
+time and memory, and the modelled bubble.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Optional
 
 from ..parallel import ShardingPlan
 from ._cost import StepCost
+from ._pipeline import PipelinePlan
 
 __all__ = ["AutoPlanReport", "Candidate", "Comparison"]
 
@@ -22,11 +25,13 @@ Roles = tuple[str, ...]
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to use the mesh: a role per mesh dim, its modelled cost, and whether it fits."""
+    """One way to use the mesh: a role per mesh dim, its modelled cost, and whether it fits;
+    for a pp candidate, the `PipelinePlan` its cost models."""
 
     roles: Roles
     cost: StepCost
     fits: bool
+    pipeline: Optional[PipelinePlan] = None
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,15 @@ class AutoPlanReport:
                 f"{self.seconds:.2f} s" + (f", memory budget {_gib(self.memory_budget)}" if self.memory_budget else ""))
         rows = [(", ".join(f"{n}={r}" for n, r in zip(self.mesh_dim_names, c.roles)), c.cost, c.fits, c is self.chosen)
                 for c in sorted(self.candidates, key=lambda c: c.cost.seconds)]
-        return _table(head, "roles", rows)
+        text = _table(head, "roles", rows)
+        piped = [c for c in self.candidates if c.pipeline is not None]
+        if not piped:
+            return text
+        shown = self.chosen if self.chosen.pipeline is not None else min(piped, key=lambda c: c.cost.seconds)
+        assert shown.pipeline is not None
+        which = "chosen" if shown is self.chosen else "fastest pp candidate"
+        roles = ", ".join(f"{n}={r}" for n, r in zip(self.mesh_dim_names, shown.roles))
+        return f"{text}\n{which} ({roles}), per pipeline: {shown.pipeline.report()}"
 
 
 class Comparison(Mapping[str, StepCost]):
