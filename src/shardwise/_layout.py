@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
 
-from ._describe import describe
+from ._describe import describe, refuse_torch
 from ._placement import Placement, Shard, _StridedShard
 
 __all__ = [
@@ -97,6 +97,7 @@ def normalize_placements(
         raise TypeError(f"{what} must be a sequence of Placement, one per mesh dim, got {describe(placements)}")
     for i, p in enumerate(placements):
         if not isinstance(p, Placement):
+            refuse_torch(p, f"{what}[{i}]")
             raise TypeError(
                 f"{what}[{i}] is {p!r} of type {type(p).__name__}: use Shard(dim), Replicate() or Partial()"
             )

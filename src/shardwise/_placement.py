@@ -12,12 +12,15 @@ error messages (`S(0)`, `R`, `P(sum)`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final, Literal
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "ReduceOp", "REDUCE_OPS", "_StridedShard"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "ReduceOp", "REDUCE_OPS", "BITWISE_OPS", "check_reduce_dtype",
+           "_StridedShard"]
 
-ReduceOp = Literal["sum", "avg", "max", "min", "prod"]
-REDUCE_OPS: Final = ("sum", "avg", "max", "min", "prod")
+ReduceOp = Literal["sum", "avg", "max", "min", "prod", "band", "bor", "bxor"]
+REDUCE_OPS: Final = ("sum", "avg", "max", "min", "prod", "band", "bor", "bxor")
+BITWISE_OPS: Final = ("band", "bor", "bxor")  # integer and bool tensors only
 
 
 class Placement:
@@ -142,7 +145,8 @@ class Replicate(Placement):
 
 
 class Partial(Placement):
-    """Each rank holds a term; the global value is their reduction (`sum`, `avg`, `max`, `min`, `prod`)."""
+    """Each rank holds a term; the global value is their reduction: `sum`, `avg`, `max`, `min`,
+    `prod` (torch's `"product"` too), or, for integer and bool tensors, `band`, `bor`, `bxor`."""
 
     __slots__ = ("reduce_op",)
     reduce_op: ReduceOp
@@ -176,3 +180,14 @@ class Partial(Placement):
 
     def __reduce__(self) -> tuple[type[Partial], tuple[str]]:
         return (Partial, (self.reduce_op,))
+
+
+def check_reduce_dtype(placements: Sequence[Placement], dtype: Any, where: str) -> None:
+    """ValueError if a bitwise Partial in `placements` would reduce a tensor of `dtype` that has
+    no bits to combine (floating point or complex); `where` names the call."""
+    for i, p in enumerate(placements):
+        if isinstance(p, Partial) and p.reduce_op in BITWISE_OPS and (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(
+                f"{where}: placements[{i}] = {p} reduces bit by bit, which a {dtype} tensor cannot: use an integer "
+                f"or bool tensor, or Partial('sum' / 'max' / 'min' / 'prod' / 'avg') for {dtype}"
+            )

@@ -150,6 +150,7 @@ ON_2X2: list[tuple[list[Placement], Any]] = [
     ([Replicate(), Shard(0)], None),
     ([Shard(0), Shard(1)], None),
     ([Partial("sum"), Shard(0)], None),  # loading into a Partial target: its other terms are zeros
+    ([Shard(1), Partial("prod")], None),  # ... ones (this loaded the value into every term: value ** 2)
 ]
 ON_2: list[tuple[list[Placement], Any]] = [([Shard(0)], None), ([Shard(1)], None), ([Replicate()], None)]
 

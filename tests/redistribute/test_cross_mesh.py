@@ -129,8 +129,9 @@ def _explained_and_refused() -> str:
         x.redistribute(meshes["(2, 2)"])
     with pytest.raises(TypeError, match=r"redistribute\(device_mesh=...\) takes a DeviceMesh, got 'tp' of type str"):
         x.redistribute("tp", [Replicate()])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="Partial is produced by ops"):
-        x.redistribute(meshes["(2, 2)"], [Partial(), Replicate()])
+    # a Partial target on another mesh: moved there replicated, then split into terms
+    terms = x.redistribute(meshes["(2, 2)"], [Partial(), Replicate()])
+    assert terms.placements == (Partial(), Replicate()) and torch.equal(terms.full_tensor(), torch.ones(8, 4))
     y = x.redistribute(meshes["[2, 3]"], [Replicate()])
     return cross_move(x._spec, y._spec).explain()
 

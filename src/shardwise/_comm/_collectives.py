@@ -55,7 +55,8 @@ Box = tuple[tuple[int, int], ...]  # (start, length) per tensor dim
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-             "prod": dist.ReduceOp.PRODUCT}
+             "prod": dist.ReduceOp.PRODUCT, "band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR,
+             "bxor": dist.ReduceOp.BXOR}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

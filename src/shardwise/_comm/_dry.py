@@ -59,7 +59,9 @@ def answer(c: Collective, local: torch.Tensor) -> torch.Tensor:
             parts.append(piece)
         return torch.cat(parts, dim=c.tensor_dim)
     if isinstance(c, (AllReduce, ReduceScatter)):
-        reduced = local * c.size if c.op == "sum" else local ** c.size if c.op == "prod" else local.clone()
+        # every simulated rank holds the same term
+        reduced = (local * c.size if c.op == "sum" else local ** c.size if c.op == "prod"
+                   else local.clone() if c.op != "bxor" or c.size % 2 else torch.zeros_like(local))
         if isinstance(c, AllReduce):
             return reduced
         start = sum(c.pieces[: c.index])

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from .._layout import ShardOrder, split_orders
-from .._placement import Partial, Placement, Replicate, Shard
+from .._placement import BITWISE_OPS, Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
 from ._registry import OpKind, register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
@@ -76,6 +76,8 @@ def _partial_options(schema: OpSchema, out_dtype: torch.dtype, i: int) -> list[t
             # own (a cast, or an op computed or written in another dtype, such as `add_` into a
             # float32 tensor) and summing those is not the rounded sum (max/min survive a cast)
             continue
+        if p.reduce_op in BITWISE_OPS and spec.dtype != out_dtype:
+            continue  # bits combined in one dtype are not those of another (a float, a bool)
         if op in _IDENTITY_LIKE and len(dspecs) == 1:
             found.append((p, [p]))
         elif _EXTREMUM.get(op) == p.reduce_op:

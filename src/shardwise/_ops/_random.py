@@ -60,11 +60,11 @@ def local_normal(spec: DTensorSpec, coordinate: tuple[int, ...], seed: int) -> t
 
 def neutral_term(spec: DTensorSpec, coordinate: tuple[int, ...]) -> Optional[int]:
     """This rank's term of a value written into `spec`, where it is not the value itself: 0 on
-    a rank that is not the first along some P(sum) mesh dim, else 1 on one that is not the first
+    a rank that is not the first along some P(sum) or P(bxor) mesh dim, else 1 on one that is not the first
     along some P(prod) mesh dim (the terms then reduce to the value in either order); None
     where the rank holds the value."""
     later = {p.reduce_op for i, p in enumerate(spec.placements) if isinstance(p, Partial) and coordinate[i] != 0}
-    return 0 if "sum" in later else 1 if "prod" in later else None
+    return 0 if later & {"sum", "bxor"} else 1 if "prod" in later else None
 
 
 def _spec(call: LocalCall) -> DTensorSpec:

@@ -9,7 +9,9 @@ and each run is a loop of `comm.run(record, local)` and local narrowing.
 | step | on this rank |
 |---|---|
 | chunk R -> S(d) | keep piece `me` of `n` along d (`torch.chunk` sizes) |
-| partialize R -> P(sum) | the first rank of the mesh dim keeps the value, the others hold zeros |
+| partialize R -> P(sum), P(bxor) | the first rank of the mesh dim keeps the value, the others hold zeros |
+| partialize R -> P(prod) | the first rank keeps the value, the others hold ones |
+| partialize R -> P(avg / max / min / band / bor) | every rank keeps the value |
 | all_gather, all_to_all, all_reduce, reduce_scatter | one record on the mesh dim's group |
 | exchange, all_reduce_mesh | one record on the group over the whole mesh |
 """
@@ -103,9 +105,9 @@ def _instruction(
         return None if n == 1 else LocalStep("chunk", d, start, length)
     if kind == "partialize":
         assert isinstance(step.dst, Partial)
-        if me == 0 or step.dst.reduce_op not in ("sum", "prod"):
+        if me == 0 or step.dst.reduce_op not in ("sum", "bxor", "prod"):
             return None
-        return LocalStep("zero" if step.dst.reduce_op == "sum" else "one")
+        return LocalStep("one" if step.dst.reduce_op == "prod" else "zero")
     if n == 1:
         return None  # one rank: its piece is already the whole and its term the total
     common.update(group=groups[i], size=n, mesh_dims=(i,))

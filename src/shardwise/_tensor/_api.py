@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .. import _comm as comm
 from .. import _rng
-from .._describe import describe
+from .._describe import describe, refuse_torch
 from .._layout import (
     ShardOrderLike,
     contiguous_strides,
@@ -24,7 +24,7 @@ from .._layout import (
 )
 from .._mesh import DeviceMesh, _find_mesh, get_current_mesh
 from .._mesh import as_device_mesh
-from .._placement import Partial, Placement, Replicate, Shard, _strided_shard
+from .._placement import Partial, Placement, Replicate, Shard, _strided_shard, check_reduce_dtype
 from .._spec import DTensorSpec, TensorMeta, _spec_from
 from .._ops import neutral_term
 from .._redistribute import scatter_routes
@@ -40,9 +40,12 @@ if TYPE_CHECKING:  # the class is defined above this module (its `from_local` ca
 __all__ = ["from_local", "distribute_tensor", "zeros", "ones", "empty", "full", "rand", "randn"]
 
 
-def _resolve(device_mesh: Optional[DeviceMesh], placements: Optional[Sequence[Placement]]) -> tuple[DeviceMesh, Sequence[Placement]]:
+def _resolve(
+    device_mesh: Optional[DeviceMesh], placements: Optional[Sequence[Placement]], where: str
+) -> tuple[DeviceMesh, Sequence[Placement]]:
     mesh = as_device_mesh(device_mesh if device_mesh is not None else get_current_mesh())
     if not isinstance(mesh, DeviceMesh):
+        refuse_torch(mesh, where)
         raise TypeError(f"device_mesh must be a DeviceMesh, got {describe(mesh)}: build one with shardwise.init_device_mesh")
     if placements is None:
         placements = [Replicate()] * mesh.ndim
@@ -150,10 +153,13 @@ def from_local(
     allowed), the pieces are checked to form the layout, and Replicate dims are broadcast
     from the first rank so they truly agree.
     """
+    if type(local_tensor) is not torch.Tensor:
+        refuse_torch(local_tensor, "from_local(local_tensor=...)")
     if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensorBase):
         raise TypeError(f"from_local takes a plain torch.Tensor, got {describe(local_tensor)}")
-    mesh, placements = _resolve(device_mesh, placements)
+    mesh, placements = _resolve(device_mesh, placements, "from_local(device_mesh=...)")
     pl = normalize_placements(placements, mesh.ndim, local_tensor.ndim)
+    check_reduce_dtype(pl, local_tensor.dtype, "from_local")
     order = normalize_shard_order(pl, shard_order, local_tensor.ndim)
     if (shape is None) != (stride is None):
         raise ValueError(f"from_local got shape={shape} and stride={stride}: pass both or neither")
@@ -194,7 +200,9 @@ def distribute_tensor(
     from its own copy, with no communication.
     The result is a leaf with the input's `requires_grad`.
     """
-    mesh, placements = _resolve(device_mesh, placements)
+    if type(tensor) is not torch.Tensor:
+        refuse_torch(tensor, "distribute_tensor(tensor=...)")
+    mesh, placements = _resolve(device_mesh, placements, "distribute_tensor(device_mesh=...)")
     if isinstance(tensor, DTensorBase):
         given = cast("DTensor", tensor)
         if given.device_mesh != mesh:
@@ -216,6 +224,7 @@ def distribute_tensor(
             f"graph with DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim).redistribute(mesh, placements)"
         )
     pl = normalize_placements(placements, mesh.ndim, tensor.ndim)
+    check_reduce_dtype(pl, tensor.dtype, "distribute_tensor")
     order = normalize_shard_order(pl, shard_order, tensor.ndim)
     full = tensor.detach()
     meta = TensorMeta(tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
@@ -304,7 +313,7 @@ def _factory(
         size = tuple(size[0])
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in size):
         raise ValueError(f"size {size} must be non-negative ints")
-    mesh, placements = _resolve(device_mesh, placements)
+    mesh, placements = _resolve(device_mesh, placements, "zeros/ones/empty/full/rand/randn(device_mesh=...)")
     shape = tuple(size)
     pl = normalize_placements(placements, mesh.ndim, len(shape))
     order = normalize_shard_order(pl, shard_order, len(shape))

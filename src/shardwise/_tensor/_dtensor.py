@@ -20,12 +20,13 @@ from typing import Any, Optional, cast
 import torch
 
 from .. import _comm as comm
+from .._describe import refuse_torch
 from .._layout import ShardOrder, ShardOrderLike, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh
 from .._mesh import as_device_mesh
 from .._ops import order_like
 from .._partition_spec import PartitionEntry, from_placements
-from .._placement import Partial, Placement, Replicate
+from .._placement import Partial, Placement, Replicate, check_reduce_dtype
 from .._spec import DTensorSpec, TensorMeta
 from . import _api, _dcp
 from ._async import Pending
@@ -176,8 +177,12 @@ class DTensor(DTensorBase, role="plain"):
         the collectives move its bytes); `backward_dtype`: the gradient travels back in it and
         is cast to this tensor's dtype on arrival (mixed-precision communication, as torch).
 
-        Redistributing to `Partial` is refused (it is the result of ops, not a target), except
-        that a mesh dim already `Partial` may stay so.
+        To `Partial(op)`, every op `Partial` takes, from any layout: the value is gathered if
+        split (a `Partial` of another op reduced first), then turned into terms with no
+        communication. The terms reduce to the value exactly: for `sum`, `bxor` the first rank
+        along the mesh dim holds the value and the others 0, for `prod` the others 1, for `avg`,
+        `max`, `min`, `band`, `bor` every rank holds it. (torch's `redistribute` refuses a
+        `Partial` target; its `distribute_tensor` divides by n for `sum`.)
 
         `async_op=True` returns at once: the collectives run in the background, in program order
         with every other collective, and the first op that uses the result waits for it (compute
@@ -187,6 +192,7 @@ class DTensor(DTensorBase, role="plain"):
         spec = self._spec
         mesh = spec.mesh if device_mesh is None else as_device_mesh(device_mesh)
         if not isinstance(mesh, DeviceMesh):
+            refuse_torch(mesh, "redistribute(device_mesh=...)")
             raise TypeError(f"redistribute(device_mesh=...) takes a DeviceMesh, got {mesh!r} of type "
                             f"{type(mesh).__name__}: pass the target mesh (shardwise.DeviceMesh or init_device_mesh), "
                             "or leave it out to stay on this tensor's mesh")
@@ -198,13 +204,13 @@ class DTensor(DTensorBase, role="plain"):
                 )
             placements = spec.placements
         target = normalize_placements(placements, mesh.ndim, self.ndim)
-        before = spec.placements if mesh == spec.mesh else (None,) * mesh.ndim  # Partial stays only where it is
-        for i, (old, new) in enumerate(zip(before, target)):
-            if isinstance(new, Partial) and new != old:
-                raise ValueError(
-                    f"cannot redistribute {spec.layout_str()} to {new} on mesh dim {i}: Partial is produced by "
-                    f"ops (e.g. a sharded contraction), not requested; use Replicate() or Shard(dim)"
-                )
+        check_reduce_dtype(target, forward_dtype or spec.dtype, "redistribute")
+        if mesh != spec.mesh and any(isinstance(p, Partial) for p in target):
+            # onto the new mesh with those mesh dims replicated, then into terms there
+            whole = [Replicate() if isinstance(p, Partial) else p for p in target]
+            moved = self.redistribute(mesh, whole, async_op=async_op, shard_order=shard_order,
+                                      forward_dtype=forward_dtype, backward_dtype=backward_dtype)
+            return moved.redistribute(mesh, target, async_op=async_op, shard_order=shard_order)
         order = normalize_shard_order(target, shard_order, self.ndim)
         target_spec = DTensorSpec(mesh, target, spec.tensor_meta, order)
         if forward_dtype is not None and forward_dtype != spec.dtype:

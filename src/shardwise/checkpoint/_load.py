@@ -27,7 +27,7 @@ import torch
 
 import torch.distributed as dist
 
-from .._placement import Partial
+from .._ops import neutral_term
 from .._redistribute import Box, overlap, piece_boxes
 from .._tensor import DTensor
 from .._comm import all_gather_ints
@@ -236,20 +236,20 @@ def _region(t: torch.Tensor, box: Box, origin: Box) -> torch.Tensor:
 
 class _Plan:
     """What loading one leaf does, decided (and its saved pieces read and checked) before
-    anything changes: copies of saved regions into regions of the target, or a zeroing, or
-    a plain value that replaces the leaf."""
+    anything changes: copies of saved regions into regions of the target, or a fill with a
+    Partial's neutral term, or a plain value that replaces the leaf."""
 
     def __init__(self) -> None:
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (region of the target, saved region)
-        self.zero: Optional[torch.Tensor] = None
+        self.fill: Optional[tuple[torch.Tensor, int]] = None  # (this rank's piece, its term)
         self.replace = False
         self.value: Any = None
 
     def apply(self, leaf: Any) -> Any:
         if self.replace:
             return self.value
-        if self.zero is not None:
-            self.zero.zero_()
+        if self.fill is not None:
+            self.fill[0].fill_(self.fill[1])
         for into, saved in self.copies:
             into.copy_(saved)
         return leaf
@@ -273,8 +273,9 @@ def _plan(leaf: Any, entry: Entry, reader: StorageReader) -> _Plan:
             return plan
         local = leaf.to_local()
         spec = leaf._spec
-        if any(isinstance(p, Partial) and p.reduce_op == "sum" and c for p, c in zip(spec.placements, coordinate)):
-            plan.zero = local  # a sum's other terms: the value lives on coordinate 0 of each Partial(sum) mesh dim
+        term = neutral_term(spec, tuple(coordinate))
+        if term is not None:  # the value lives on coordinate 0 of each Partial(sum / prod / bxor) mesh dim
+            plan.fill = (local, term)
             return plan
         found = spec.split_orders()
         orders = tuple(found.get(d, ()) for d in range(spec.ndim))

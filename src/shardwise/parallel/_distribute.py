@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .._describe import describe
+from .._describe import describe, refuse_torch
 from .._layout import ShardOrderLike, format_placements, normalize_placements, normalize_shard_order
 from .._mesh import DeviceMesh, get_current_mesh
 from .._mesh import as_device_mesh
@@ -173,6 +173,7 @@ def distribute_module(
     )
     mesh = as_device_mesh(device_mesh if device_mesh is not None else get_current_mesh())
     if not isinstance(mesh, DeviceMesh):
+        refuse_torch(mesh, "distribute_module(device_mesh=...)")
         raise TypeError(f"distribute_module needs a DeviceMesh, got {describe(mesh)}: build one with shardwise.init_device_mesh")
     check_plain_afresh(mesh)  # a new model: its first step checks plain tensors meeting DTensors
     ties = Ties(module)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .. import _comm as comm
-from .._describe import describe
+from .._describe import describe, refuse_torch
 from .._mesh import DeviceMesh, get_current_mesh
 from .._mesh import as_device_mesh
 from .._tensor import DTensor, check_plain_afresh, watch_plain_leaf
@@ -43,6 +43,7 @@ __all__ = ["shard_module", "parallelize_module"]
 def _mesh(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
     mesh = as_device_mesh(device_mesh if device_mesh is not None else get_current_mesh())
     if not isinstance(mesh, DeviceMesh):
+        refuse_torch(mesh, f"{what}(device_mesh=...)")
         raise TypeError(f"{what} needs a DeviceMesh, got {describe(mesh)}: build one with shardwise.init_device_mesh")
     return mesh
 
@@ -213,6 +214,7 @@ def parallelize_module(
         if bad:
             raise TypeError(f"parallelize_plan maps module patterns to ParallelStyles; these are not: {', '.join(bad)}")
     else:
+        refuse_torch(parallelize_plan, "parallelize_module(parallelize_plan=...)")
         raise TypeError(
             f"parallelize_plan must be a ParallelStyle or a dict of module patterns -> ParallelStyle, "
             f"got {describe(parallelize_plan)}"

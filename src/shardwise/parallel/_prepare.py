@@ -14,6 +14,7 @@ from typing import Any, Optional, cast
 
 from torch import nn
 
+from .._describe import refuse_torch
 from .._mesh import DeviceMesh
 from .._placement import Placement
 from ._plan import FrozenMap
@@ -61,6 +62,8 @@ class PrepareModuleInput(ParallelStyle):
         if value is None:
             return None
         if not isinstance(value, Mapping) or not all(isinstance(p, Placement) for p in value.values()):
+            for key, p in (value.items() if isinstance(value, Mapping) else ()):
+                refuse_torch(p, f"{what}[{key!r}]")
             raise TypeError(f"{what} must map keyword names to Placements, got {value!r}")
         return FrozenMap(value)
 
@@ -162,6 +165,16 @@ class PrepareModuleInputOutput(ParallelStyle):
 
     def __post_init__(self) -> None:
         self._sides()  # one style's checks, and its errors, for each side
+
+    @property
+    def prepare_module_input(self) -> PrepareModuleInput:
+        """The input side, as its own style (torch's attribute)."""
+        return self._sides()[0]
+
+    @property
+    def prepare_module_output(self) -> PrepareModuleOutput:
+        """The output side, as its own style (torch's attribute)."""
+        return self._sides()[1]
 
     def _sides(self) -> tuple[PrepareModuleInput, PrepareModuleOutput]:
         inputs = PrepareModuleInput(

@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from torch import nn
 
+from .._describe import refuse_torch
 from .._layout import contiguous_strides
 from .._mesh import AbstractMesh, DeviceMesh
 from .._placement import Placement, Replicate, Shard, _StridedShard
@@ -78,6 +79,7 @@ def _one_placement(value: Any, what: str, default: Optional[Placement]) -> Optio
     if isinstance(value, (tuple, list)) and len(value) == 1:
         value = value[0]
     if not isinstance(value, Placement):
+        refuse_torch(value, what)
         raise TypeError(f"{what} must be a Placement (Shard(d), Replicate() or Partial()), got {value!r}")
     return value
 
@@ -87,6 +89,10 @@ def _layouts(value: Any, what: str) -> Optional[Layouts]:
         return None
     items = (value,) if isinstance(value, Placement) else value
     if not isinstance(items, (tuple, list)) or not all(p is None or isinstance(p, Placement) for p in items):
+        if isinstance(items, (tuple, list)):
+            for i, p in enumerate(items):
+                refuse_torch(p, f"{what}[{i}]")
+        refuse_torch(items, what)
         raise TypeError(f"{what} must be a Placement or a tuple of Placement / None (one per input), got {value!r}")
     return tuple(items)
 

@@ -142,7 +142,7 @@ class Mesh:
     def from_device_mesh(cls, device_mesh: DeviceMesh) -> Mesh:
         """The `Mesh` of a shardwise `DeviceMesh` spanning every process (its grid of ranks and dim names)."""
         if not isinstance(device_mesh, DeviceMesh):
-            raise TypeError(f"from_device_mesh takes a shardwise DeviceMesh, got {type(device_mesh).__name__}")
+            raise TypeError(f"from_device_mesh takes a shardwise DeviceMesh, got {describe(device_mesh)}")
         ranks = device_mesh.mesh.flatten().tolist()
         world = dist.get_world_size()
         if len(ranks) != world:
