@@ -10,6 +10,7 @@ collective; the next unit is gathered while this one computes.
 from ._api import fully_shard
 from ._module import FSDPModule, UnshardHandle
 from ._policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._state import reduce_accumulated as reduce_accumulated  # not public (not in __all__): for shardwise.pipelining
 
 __all__ = [
     "CPUOffloadPolicy",

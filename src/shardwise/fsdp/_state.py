@@ -33,7 +33,7 @@ from ._policy import MixedPrecisionPolicy
 from ._reduce import Reduction
 from ._unit import Unit
 
-__all__ = ["FSDPState", "Root", "STATE_ATTR", "snapshot", "state_of"]
+__all__ = ["FSDPState", "Root", "STATE_ATTR", "reduce_accumulated", "snapshot", "state_of"]
 
 STATE_ATTR = "_shardwise_fsdp_state"
 _IN_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)  # its backward has begun: no prefetch
@@ -267,6 +267,26 @@ def snapshot(modules: Sequence[nn.Module]) -> Callable[[], None]:
             r.order, r.recording, r.index = list(order), recording, dict(index)
 
     return restore
+
+
+def reduce_accumulated(module: nn.Module) -> None:
+    """End a step whose backward passes summed gradients with sync off (a pipeline schedule's, one
+    pass per micro-batch; `set_requires_gradient_sync(False)`): with sync back on, every unit
+    under `module` runs the reduction its post-backward would (one reduce_scatter of its sum),
+    then each root ends the backward (finishes them; reshards where `reshard_after_backward`).
+    The units stay their parameters' reducers: this only says when they reduce."""
+    states = list({id(s): s for sub in module.modules() if (s := state_of(sub)) is not None}.values())
+    roots: list[Root] = []
+    for state in states:
+        root, unit = state.root, state.unit
+        if root is None:  # no forward ran: nothing summed
+            continue
+        if unit is not None and any(p.unsynced is not None for p in unit.params):
+            root.pending.extend(unit.reduce(unit.params, [None] * len(unit.params)))
+        if root not in roots:
+            roots.append(root)
+    for root in roots:
+        root.end_of_backward()
 
 
 def state_of(module: nn.Module) -> Optional[FSDPState]:

@@ -24,6 +24,9 @@ loss); with `scale_grads=False`, of their sum. The engine scales each micro-batc
 before its backward; torch divides the gradients after the step, gradients already there
 from an earlier step included, so under accumulation across steps ours add up as plain
 autograd would. `losses` gets the unscaled losses, detached.
+
+Stage modules under `fully_shard` (dp x pp), as torch's: the units sum their gradients over
+the step's micro-batches and each reduces once at its end (`_fsdp`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from .. import pipeline as engine
 from .._describe import describe
 from ._chunks import merge_microbatches, split_tensor
 from ._engine import StepState, build_pipe, forward_order, run_step
+from ._fsdp import one_reduction_per_step
 from ._stage import PipelineStage
 
 __all__ = ["PipelineScheduleMulti", "PipelineScheduleSingle", "Schedule1F1B", "ScheduleDualPipeV", "ScheduleGPipe",
@@ -130,7 +134,8 @@ class _PipelineSchedule:
         m = self._n_microbatches
         self._target, self._targets = target, None
         self._losses, self._loss_kwargs = {}, dict(loss_kwargs or {})
-        run_step(self._pipe, self._state, args, kwargs, train)
+        with one_reduction_per_step([s.submod for s in self._stages] if train else []):  # (fully_shard stages)
+            run_step(self._pipe, self._state, args, kwargs, train)
         if not self._pipe.layout.holds(self._num_stages - 1):
             return None
         outputs = [self._state.outputs[i] for i in range(m)]
