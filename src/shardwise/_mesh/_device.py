@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any, Optional, Union
@@ -21,6 +22,7 @@ from .._process import collective_timeout, init_default_group, note_process
 from ._groups import GROUPS, crossing_group, group_for
 from ._abstract import AbstractMesh, MeshDim, check_names
 from ._flat import flatten, resolve_names, unflatten
+from ._torch_facing import torch_facing
 
 __all__ = ["AbstractMesh", "DeviceMesh", "init_device_mesh", "current_mesh", "get_current_mesh", "collective_timeout"]
 
@@ -183,6 +185,17 @@ class DeviceMesh(AbstractMesh):
 
     def get_all_groups(self) -> list[Any]:
         return list(self._groups)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: F811 -- what isinstance() consults: see `_torch_facing`
+        return torch_facing(type(self), sys._getframe(1))
+
+    @property
+    def _dim_group_names(self) -> list[str]:
+        """Each mesh dim's process group name, as torch's mesh lists them (torch's functional
+        collectives resolve `group=mesh` and `(mesh, mesh_dim)` through it)."""
+        self._require_member()
+        return [group.group_name for group in self._groups]
 
     @property
     def has_mesh_group(self) -> bool:
