@@ -305,6 +305,31 @@ def _bubble(per_rank: list[list[list[Span]]]) -> tuple[Optional[float], str]:
     return statistics.median(f for f, _ in steps), tl.render_text(96)
 
 
+def _costed_bubble(case: Case, ranks: int, per_rank: list[list[list[Span]]]) -> Optional[float]:
+    """The schedule's bubble when each action lasts its measured median (per kind and stage, from
+    the compute spans): the formula's model with this machine's costs in place of F = I = W = 1,
+    B = 2 (here W's matmul is slower than F's, and the first stage's I is empty), so the gap
+    between it and the measured bubble is the execution's, not the cost model's."""
+    from shardwise import pipeline as engine
+    from shardwise.planner import step_seconds
+
+    lasted: dict[tuple[str, int], list[float]] = {}
+    for steps in per_rank:
+        for spans in steps:
+            for _, stage, _, kind, start, end in spans:
+                lasted.setdefault((kind, stage), []).append(end - start)
+    if not lasted:
+        return None
+    made = {"gpipe": lambda: engine.ScheduleGPipe(ranks, CHUNKS), "1f1b": lambda: engine.Schedule1F1B(ranks, CHUNKS),
+            "interleaved": lambda: engine.ScheduleInterleaved1F1B(ranks, case.per_rank, CHUNKS),
+            "looped_bfs": lambda: engine.ScheduleLoopedBFS(ranks, case.per_rank, CHUNKS),
+            "zero_bubble": lambda: engine.ScheduleInterleavedZeroBubble(ranks, case.per_rank, CHUNKS),
+            "zbv": lambda: engine.ScheduleZBVZeroBubble(ranks, CHUNKS),
+            "dualpipev": lambda: engine.ScheduleDualPipeV(ranks, CHUNKS)}[case.schedule]()
+    median = {key: statistics.median(times) for key, times in lasted.items()}
+    return step_seconds(made, lambda a: median.get((a.kind, a.stage), 0.0))[1]
+
+
 def schedule_row(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """The table row of one case from both ranks' results."""
     first = per_rank[0]
@@ -325,6 +350,7 @@ def schedule_row(case: Case, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row["ratio"] = row["shardwise_ms"] / row["torch_ms"]
     row["bubble"], _ = _bubble([r["events"] for r in per_rank])
     row["compute_bubble"], row["compute_timeline"] = _bubble([r["compute_events"] for r in per_rank])
+    row["costed_bubble"] = _costed_bubble(case, len(per_rank), [r["compute_events"] for r in per_rank])
     wrong = [f"shardwise rank {k}: {r['sw_check']}" for k, r in enumerate(per_rank) if r["sw_check"] != "ok"]
     wrong += [f"torch rank {k}: {r['torch_check']}" for k, r in enumerate(per_rank)
               if r.get("torch_check", "ok") != "ok"]

@@ -194,6 +194,7 @@ def run(settings: Settings) -> list[Table]:
          Column("ratio", "ratio sw/torch", ".2f"), Column("compiled_ratio", "ratio compiled/torch", ".2f"),
          Column("compiled_vs_hand", "ratio compiled/hand", ".2f"), Column("bubble", "bubble timeline", ".3f"),
          Column("compute_bubble", "bubble compute", ".3f"), Column("formula", "bubble formula", ".3f"),
+         Column("costed_bubble", "bubble at measured costs", ".3f"),
          Column("vs_1f1b", "steps/s vs 1f1b", ".2f"), Column("check", "check")],
     )
     per_rank = run_distributed(pipeline_body, 2, settings, timeout=settings.timeout)
@@ -231,6 +232,8 @@ def run(settings: Settings) -> list[Table]:
                        "check: loss and every gradient of both libraries against one process")
     table.notes.append("bubble timeline: the spans as the pipe records them (a receive's wait counted busy); bubble "
                        "compute: each span from the end of its last receive; formula: Schedule.bubble_fraction() "
-                       "(F = I = W = 1, B = 2); steps/s vs 1f1b: a shardwise 1F1B pipe's ms (the same blocks in 2 stages, stepped "
+                       "(F = I = W = 1, B = 2); bubble at measured costs: the same schedule run on the cost model with each "
+                       "action's measured median time per kind and stage (the gap from it to the measured bubble is the "
+                       "execution's; from the formula to it, the costs'); steps/s vs 1f1b: a shardwise 1F1B pipe's ms (the same blocks in 2 stages, stepped "
                        "in alternation with the row's pipes) over this row's shardwise ms")
     return [table]
