@@ -10,6 +10,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# (schedule, stages, micro-batches): one stage per pp rank, or two (DualPipeV needs 2 * pp micro-batches)
+CASES = [
+    ("ScheduleGPipe", 2, 4),
+    ("Schedule1F1B", 2, 4),
+    ("ScheduleInterleaved1F1B", 4, 4),
+    ("ScheduleLoopedBFS", 4, 4),
+    ("ScheduleInterleavedZeroBubble", 4, 4),
+    ("ScheduleZBVZeroBubble", 4, 4),
+    ("ScheduleDualPipeV", 4, 8),
+]
+
 D = 6  # feature width
 ROWS = 8  # batch rows
 

@@ -33,6 +33,8 @@ from torch import nn
 from shardwise import comm_log
 from shardwise.testing import distributed
 
+from ._program import CASES
+
 D = 6  # feature width
 ROWS = 16  # rows of a whole batch: each dp replica takes half
 PP, DP, STEPS, LR, TOL = 2, 2, 3, 0.05, 1e-10
@@ -185,16 +187,6 @@ def reference(num_stages: int, n_microbatches: int) -> dict[str, Any]:
             "params": {f"{j}.{n}": p.detach() for j, m in enumerate(modules) for n, p in m.named_parameters()}}
 
 
-# (schedule, stages, micro-batches per dp replica): one stage per pp rank, or two
-CASES = [
-    ("ScheduleGPipe", 2, 4),
-    ("Schedule1F1B", 2, 4),
-    ("ScheduleInterleaved1F1B", 4, 4),
-    ("ScheduleLoopedBFS", 4, 4),
-    ("ScheduleInterleavedZeroBubble", 4, 4),
-    ("ScheduleZBVZeroBubble", 4, 4),
-    ("ScheduleDualPipeV", 4, 8),
-]
 
 
 @pytest.mark.parametrize("schedule, num_stages, n_microbatches", CASES)

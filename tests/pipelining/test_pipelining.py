@@ -26,7 +26,7 @@ import shardwise.pipelining as swp
 from shardwise.pipeline import PipelineError
 from shardwise.testing import distributed
 
-from ._program import (Chain, batch, layers, pipelines_side_by_side, reference, run, side_by_side,
+from ._program import (CASES, Chain, batch, layers, pipelines_side_by_side, reference, run, side_by_side,
                        split_side_by_side)
 
 TOL = 1e-10
@@ -43,16 +43,6 @@ def assert_same(theirs: dict[str, Any], ours: dict[str, Any]) -> None:
         torch.testing.assert_close(ours["grads"][name], grad, atol=TOL, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-# (schedule, stages, micro-batches): one stage per rank, or two per rank on 2 ranks
-CASES = [
-    ("ScheduleGPipe", 2, 4),
-    ("Schedule1F1B", 2, 4),
-    ("ScheduleInterleaved1F1B", 4, 4),
-    ("ScheduleLoopedBFS", 4, 4),
-    ("ScheduleInterleavedZeroBubble", 4, 4),
-    ("ScheduleZBVZeroBubble", 4, 4),
-    ("ScheduleDualPipeV", 4, 8),
-]
 
 
 @pytest.mark.parametrize("schedule, num_stages, n_microbatches", CASES)
