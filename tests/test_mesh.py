@@ -186,6 +186,20 @@ def test_unflatten_splits_a_dim_into_smaller_groups_over_the_same_ranks() -> Non
         world.unflatten(0, (2, 2), ("a",))
 
 
+@distributed(world_size=2)
+def test_unflatten_takes_torchtitans_fake_backend_override_and_makes_real_groups() -> None:
+    # torchtitan's ParallelDims.build_mesh unflattens its world mesh with backend_override="fake"
+    # for every dim of degree 1: `_unflatten` refused any backend_override, so it could not build
+    world = sw.init_device_mesh("cpu", (2,), mesh_dim_names=("world",))
+    mesh = world._unflatten(0, (1, 2), ("pp", "dp"), backend_override={"pp": "fake", "dp": "gloo"})
+    assert mesh.mesh_dim_names == ("pp", "dp") and mesh.mesh.tolist() == [[0, 1]]
+    t = torch.tensor([1.0])
+    dist.all_reduce(t, group=mesh.get_group("pp"))  # a real group of one, not a fake one
+    assert t.item() == 1.0
+    with pytest.raises(ValueError, match=r"backend_override=\{'dp': 'mpi'\}"):
+        world._unflatten(0, (1, 2), ("pp", "dp"), backend_override={"dp": "mpi"})
+
+
 def test_dry_mesh_unflatten_and_simulated_ranks() -> None:
     from shardwise.debug import dry_mesh, simulating
 

@@ -271,9 +271,20 @@ class DeviceMesh(AbstractMesh):
 
     def _unflatten(self, dim: MeshDim, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
                    backend_override: Any = None) -> DeviceMesh:
-        """torch's private `DeviceMesh._unflatten`, as torchtitan calls it: `unflatten`."""
-        if backend_override is not None:
-            raise ValueError("_unflatten(backend_override=...) is not supported: the new dims use the mesh's backend")
+        """torch's private `DeviceMesh._unflatten`, as torchtitan calls it: `unflatten`.
+
+        `backend_override` maps new dim names (or their positions) to a backend. torchtitan's
+        `ParallelDims` passes "fake" for every dim of degree 1 and for dims it never
+        communicates over, to spare torch the process groups; here those dims get real groups
+        (a collective over them is then right, not a fake's garbage), so "fake" and the mesh's
+        own backend are taken as they are; any other backend is refused."""
+        if backend_override:
+            own = (None, "fake", "nccl" if self.device_type == "cuda" else "gloo")
+            other = {k: v for k, v in dict(backend_override).items()
+                     if (v[0] if isinstance(v, tuple) else v) not in own}
+            if other:
+                raise ValueError(f"_unflatten(backend_override={other}): a mesh's dims use the mesh's backend; only "
+                                 f"'fake' (taken as the mesh's backend) or the mesh's own backend may be named")
         return self.unflatten(dim, mesh_sizes, mesh_dim_names)
 
     # -- current mesh ----------------------------------------------------------------
