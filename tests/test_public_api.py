@@ -63,7 +63,7 @@ PARALLEL = [
     "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "ReplicateParallel", "RowwiseParallel", "SequenceParallel", "Sharder", "ShardingPlan", "ShardingPlanner", "coverage",
     "data_parallel",
-    "distribute_module", "global_mean", "global_router_loss", "loss_parallel", "memory_report", "no_sync", "parallelize_module", "route_counts",
+    "distribute_module", "from_pretrained", "global_mean", "global_router_loss", "loss_parallel", "memory_report", "no_sync", "parallelize_module", "route_counts",
     "shard_module",
 ]
 
