@@ -59,7 +59,7 @@ def test_public_surface_is_pinned() -> None:
 
 
 PARALLEL = [
-    "ColwiseParallel", "ContextParallel", "Coverage", "ExpertLoadBalancer", "ExpertParallel", "FusedColwiseParallel", "HFPlanner", "MegatronPlanner", "ParallelStyle",
+    "ColwiseParallel", "ContextParallel", "Coverage", "ExpertLoadBalancer", "ExpertParallel", "FusedColwiseParallel", "HFPlanner", "HFTrainerMixin", "MegatronPlanner", "ParallelStyle",
     "PrepareModuleInput", "PrepareModuleInputOutput", "PrepareModuleOutput",
     "ReplicateParallel", "RowwiseParallel", "SequenceParallel", "Sharder", "ShardingPlan", "ShardingPlanner", "coverage",
     "data_parallel",

@@ -15,6 +15,7 @@ from ._expert_balance import *  # noqa: F401,F403
 from ._experts import *  # noqa: F401,F403
 from ._hf_from_pretrained import *  # noqa: F401,F403
 from ._hf_plan import *  # noqa: F401,F403
+from ._hf_trainer import *  # noqa: F401,F403
 from ._loss import *  # noqa: F401,F403
 from ._megatron import *  # noqa: F401,F403
 from ._parallelize import *  # noqa: F401,F403
@@ -23,9 +24,9 @@ from ._prepare import *  # noqa: F401,F403
 from ._replicate import *  # noqa: F401,F403
 from ._router_loss import *  # noqa: F401,F403
 from ._style import *  # noqa: F401,F403
-from . import _coverage, _cp_style, _data_parallel, _distribute, _expert_balance, _experts, _hf_from_pretrained, _hf_plan, _loss, _megatron, _parallelize, _plan, _prepare, _replicate, _router_loss, _style
+from . import _coverage, _cp_style, _data_parallel, _distribute, _expert_balance, _experts, _hf_from_pretrained, _hf_plan, _hf_trainer, _loss, _megatron, _parallelize, _plan, _prepare, _replicate, _router_loss, _style
 
 __all__ = sorted(
-    _coverage.__all__ + _cp_style.__all__ + _data_parallel.__all__ + _distribute.__all__ + _expert_balance.__all__ + _experts.__all__ + _hf_from_pretrained.__all__ + _hf_plan.__all__ + _loss.__all__ + _megatron.__all__ + _parallelize.__all__
+    _coverage.__all__ + _cp_style.__all__ + _data_parallel.__all__ + _distribute.__all__ + _expert_balance.__all__ + _experts.__all__ + _hf_from_pretrained.__all__ + _hf_plan.__all__ + _hf_trainer.__all__ + _loss.__all__ + _megatron.__all__ + _parallelize.__all__
     + _plan.__all__ + _prepare.__all__ + _replicate.__all__ + _router_loss.__all__ + _style.__all__
 )
