@@ -53,7 +53,7 @@ def test_a_shardwise_mesh_is_torchs_to_the_functional_collectives_only() -> None
     assert funcol._resolve_group(mesh) == mesh.get_group(0).group_name
     assert not isinstance(mesh, TorchDeviceMesh) and isinstance(mesh, sw.DeviceMesh)
     assert type(mesh) is sw.DeviceMesh and mesh.__class__ is sw.DeviceMesh
-    assert copy.deepcopy(mesh) is mesh and pickle.loads(pickle.dumps(mesh)) is mesh
+    assert copy.deepcopy(mesh) is mesh and pickle.loads(pickle.dumps(mesh)) == mesh  # (a live equal mesh)
     assert torch_twin(mesh) is None  # shardwise does not take its own mesh for torch's
     assert mesh._dim_group_names == [mesh.get_group(0).group_name]
 

@@ -121,10 +121,12 @@ def test_from_local_without_check_assumes_even_pieces_and_shape_overrides() -> N
 
 
 @distributed(world_size=4)
-def test_redistribute_to_partial_is_refused() -> None:
+def test_redistribute_to_partial_splits_the_value_into_exact_terms() -> None:
+    # (it was refused, as torch refuses it; tests/redistribute/test_partial_reduce_ops.py covers every op)
     mesh = sw.init_device_mesh("cpu", (4,))
     x = sw.distribute_tensor(torch.ones(4, 4), mesh, [Replicate()])
-    with pytest.raises(ValueError, match=r"cannot redistribute \(R\) to P\(sum\) on mesh dim 0"):
-        x.redistribute(mesh, [Partial()])
+    y = x.redistribute(mesh, [Partial()])
+    assert y.placements == (Partial(),) and torch.equal(y.full_tensor(), torch.ones(4, 4))
+    assert torch.equal(y.to_local(), torch.ones(4, 4) if mesh.get_local_rank(0) == 0 else torch.zeros(4, 4))
     p = DTensor.from_local(torch.ones(4, 4), mesh, [Partial()])
     assert p.redistribute(mesh, [Partial()]) is p  # staying Partial is a no-op, not a request for one

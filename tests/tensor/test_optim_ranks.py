@@ -235,3 +235,20 @@ def test_the_kept_swap_sees_what_changed_between_steps(kind: str) -> None:
             torch.testing.assert_close(whole, r.detach(), msg=lambda m: f"step {step}: {m}")
         assert all(isinstance(v, sw.DTensor) for q in (params[0], params[2]) for v in opt.state[q].values() if v.dim())
         assert set(opt.state) == set(params + ([extra] if step >= 3 else [])), "the state is keyed by the parameters"
+
+
+@distributed(world_size=4)
+def test_an_op_over_dtensors_on_two_meshes_names_both_and_the_fix() -> None:
+    # the per-parameter norms of a tp x dp model (matrices on (dp, tp), norms' weights on dp) run per mesh,
+    # but stacking them (what torch's clip_grad_norm_ does next) met two meshes: an IndexError deep in the
+    # stack strategy before
+    mesh = sw.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a = sw.distribute_tensor(torch.ones(4, 4), mesh, [Shard(0), Shard(1)])
+    b = sw.distribute_tensor(torch.ones(4), mesh["dp"], [Shard(0)])
+    norms = torch._foreach_norm([a, b])  # per mesh: fine
+    assert [n.device_mesh for n in norms] == [mesh, mesh["dp"]]
+    with pytest.raises(ValueError, match=r"aten\.stack\.default got DTensors on 2 meshes, DeviceMesh.*\('dp', 'tp'\)"
+                                         r".* and DeviceMesh.*\('dp',\).*redistribute\(device_mesh=\.\.\.\)"):
+        torch.stack(norms)
+    whole = torch.stack([n.full_tensor() for n in norms])  # the fix the message names
+    assert torch.allclose(whole, torch.tensor([4.0, 2.0]))

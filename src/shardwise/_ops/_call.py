@@ -80,6 +80,15 @@ class OpCall:
                     return x.mesh
         return None
 
+    def meshes(self) -> list[Any]:
+        """The distinct meshes of the call's DTensors, in argument order."""
+        found: list[Any] = []
+        for _, value in self.values():
+            for x in value if isinstance(value, tuple) else (value,):
+                if isinstance(x, DTensorSpec) and x.mesh not in found:
+                    found.append(x.mesh)
+        return found
+
     def schema(self) -> OpSchema:
         """What propagation sees: a plain tensor is a replicated spec on the call's mesh."""
         mesh = self.mesh()

@@ -116,6 +116,7 @@ def make_plan(call: OpCall) -> OpPlan:
     by_mesh = _per_mesh(call, rule)
     if by_mesh is not None:
         return by_mesh
+    _one_mesh(call)
     schema = call.schema()
     if call.mesh() is not None and call.coordinate is None and not rule.metadata_only:
         return _outside(call, rule)
@@ -152,6 +153,19 @@ def _outside(call: OpCall, rule: OpRule) -> RunOutside:
         outputs = made if isinstance(meta, tuple) and not isinstance(meta, TensorMeta) else made[0]
     return RunOutside(outputs, _returns(call, rule, rule.written(len(call.args))), rule.returns_nothing,
                       rule.outside_answer)
+
+
+def _one_mesh(call: OpCall) -> None:
+    """ValueError if the call's DTensors sit on different meshes (only `_foreach_*` / `_fused_*`
+    calls run per mesh): a strategy lays out the inputs of one mesh."""
+    meshes = call.meshes()
+    if len(meshes) > 1:
+        raise ValueError(
+            f"{call.op} got DTensors on {len(meshes)} meshes, {' and '.join(map(repr, meshes))}: an op's DTensors share "
+            f"one mesh (only _foreach_* and _fused_* ops run per mesh). Move them onto one with "
+            f"x.redistribute(device_mesh=...), or reduce each to a plain tensor first (x.full_tensor()); e.g. a global "
+            f"gradient norm over a tp x dp model (its matrices on (dp, tp), its norms' weights on dp) is one norm per "
+            f"mesh made whole, then combined")
 
 
 def _per_mesh(call: OpCall, rule: OpRule) -> Optional[RunPerMesh]:
