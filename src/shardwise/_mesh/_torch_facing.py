@@ -27,6 +27,7 @@ __all__ = ["ACCEPTING", "torch_facing"]
 # only the mesh's public API and `_dim_group_names`
 ACCEPTING = (("torch.distributed._functional_collectives", "_resolve_group"),)
 
+_NAMES = frozenset({"__instancecheck__", *(fn for _, fn in ACCEPTING)})  # the frames worth a closer look
 _FACING: dict[type, type] = {}
 _CODES: dict[int, tuple[tuple[int, ...], frozenset[CodeType]]] = {}  # 0 -> (the modules' ids, their codes)
 
@@ -34,7 +35,9 @@ _CODES: dict[int, tuple[tuple[int, ...], frozenset[CodeType]]] = {}  # 0 -> (the
 def torch_facing(cls: type, caller: Optional[FrameType]) -> type:
     """What a mesh of class `cls` answers to `__class__` asked from `caller`'s frame: a subclass
     of torch's DeviceMesh for the functions in `ACCEPTING`, else `cls`."""
-    if caller is not None and caller.f_code.co_name == "__instancecheck__":
+    if caller is None or caller.f_code.co_name not in _NAMES:  # (every failed isinstance on a mesh asks: cheap first)
+        return cls
+    if caller.f_code.co_name == "__instancecheck__":
         caller = caller.f_back  # (torch's mesh class has a metaclass whose isinstance check is Python)
     if caller is None or caller.f_code not in _accepting():
         return cls
