@@ -57,6 +57,7 @@ from ._plans import (ByMeshPlan, DecomposedPlan, GeneralPlan, LeanPlan, OutsideP
 from ._redistribute import move_between
 from ._runtime import RUNTIME
 from ._strided import CatPlan, SliceBackwardPlan, SlicePlan, SplitPlan, UnstridedPlan, in_split_backward
+from ._view_links import view_runner, write_runner
 from ._wrap import DTENSOR_CLASSES as _DTENSORS
 from ._wrap import DTensorBase, Wrapper
 
@@ -163,9 +164,12 @@ def _first_run(key: tuple[Any, ...], func: Any, args: tuple[Any, ...], kwargs: d
     another memory order than the global tensor's is re-laid, then and on every later call."""
     run = _make_plan(func, args, kwargs, key[1]).run
     fresh = rule.fresh_outputs
+    written = set() if fresh else rule.written(len(args))
     if not fresh:
-        run = ViewPlan(run).run
+        run = write_runner(ViewPlan(run).run, func, written)
     out = run(args, kwargs)
+    if not (fresh or written):  # a view: linked to its base when it moved it (`_view_links`)
+        run = view_runner(run, func, args, kwargs, out)
     which = misplaced(out) if fresh else ()
     if any(which):
         run = RestridedPlan(run, which).run
