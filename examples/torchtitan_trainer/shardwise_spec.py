@@ -89,12 +89,14 @@ def apply_fsdp(model: nn.Module, mesh: sw.DeviceMesh, mp_policy: MixedPrecisionP
 def parallelize_llama(model: nn.Module, *, parallel_dims, training, parallelism, compile_config,
                       ac_config, dump_folder, **_):
     """torchtitan's `parallelize_fn` contract, done with shardwise."""
-    if compile_config.enable or ac_config is not None:
-        raise ValueError("the shardwise train spec does not apply torchtitan's compile or activation "
-                         "checkpointing: set compile.enable=False and activation_checkpoint=None")
+    if compile_config.enable:
+        raise ValueError("the shardwise train spec does not apply torchtitan's compile: set compile.enable=False "
+                         "(shardwise DTensors compile; torchtitan's apply_compile reads its own meshes)")
     mesh = shardwise_mesh(parallel_dims)
     if parallel_dims.tp > 1:
         apply_tp(model, mesh["tp"], sequence_parallel=parallelism.enable_sequence_parallel)
+    if ac_config is not None:  # torchtitan's own activation checkpointing, as its spec applies it
+        ac_config.build(dump_folder=dump_folder).apply(model)
     mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[training.mixed_precision_param],
                                      reduce_dtype=_DTYPES[training.mixed_precision_reduce])
     apply_fsdp(model, mesh["dp_shard"], mp_policy)

@@ -8,7 +8,7 @@ DTensor and FSDP2), so the two can be compared step for step; `--seed-checkpoint
 process) writes the initial weights both load, as torchtitan's docs do for reproducible
 runs. The run is torchtitan's `llama3_debugmodel` config unchanged except for what a CPU run
 needs: a short sequence and batch, the attention backend (CPU has no FlexAttention
-backward, so causal SDPA), float32, no activation checkpointing, no CUDA graphs.
+backward, so causal SDPA), float32, no CUDA graphs.
 """
 
 import argparse
@@ -40,7 +40,6 @@ def build_config(args):
     config.parallelism.spmd_backend = "partial_dtensor"
     config.parallelism.data_parallel_shard_degree = args.dp_shard
     config.parallelism.tensor_parallel_degree = args.tp
-    config.activation_checkpoint = None
     if args.max_norm is not None:
         config.training.max_norm = args.max_norm
     config.validator.enable = False
