@@ -75,6 +75,18 @@ class DTensor(DTensorBase, role="plain"):
             spec = spec.with_meta(TensorMeta(torch.Size(outer_size), tuple(outer_stride), local.dtype))
         return wrap(local, spec, requires_grad)  # type: ignore[no-any-return]
 
+    def __coerce_same_metadata_as_tangent__(self, flatten_spec: tuple[DTensorSpec, bool],
+                                            expected_type: Optional[type] = None) -> Optional[DTensor]:
+        """A compiled backward traced its incoming gradient in the layout of the output it is the
+        gradient of; one that arrives in another layout (a Replicate gradient for a Partial
+        output) is moved to that layout, as torch's DTensor does."""
+        if expected_type is not None:
+            return None
+        spec = flatten_spec[0]
+        if spec.placements == self._spec.placements and spec.mesh == self._spec.mesh:
+            return self
+        return self.redistribute(spec.mesh, spec.placements)
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled as its piece and its layout (`torch.save(dtensor)`, a state dict of them);
         the mesh is found again by its ranks on load (see `DeviceMesh.__reduce__`)."""

@@ -74,7 +74,8 @@ class PrepareModuleInput(ParallelStyle):
 
     def _prepare(self, mod: nn.Module, args: tuple[Any, ...], kwargs: Optional[dict[str, Any]], mesh: DeviceMesh) -> Any:
         name = type(mod).__name__
-        ins, wants = cast(Optional[Layouts], self.input_layouts), cast(Layouts, self.desired_input_layouts)
+        # (string casts: a subscripted type built at run time is a graph break under torch.compile's fullgraph)
+        ins, wants = cast("Optional[Layouts]", self.input_layouts), cast("Layouts", self.desired_input_layouts)
         if ins is not None:
             if len(args) != len(ins):
                 raise ValueError(
