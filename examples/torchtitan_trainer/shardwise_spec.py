@@ -89,14 +89,18 @@ def apply_fsdp(model: nn.Module, mesh: sw.DeviceMesh, mp_policy: MixedPrecisionP
 def parallelize_llama(model: nn.Module, *, parallel_dims, training, parallelism, compile_config,
                       ac_config, dump_folder, **_):
     """torchtitan's `parallelize_fn` contract, done with shardwise."""
-    if compile_config.enable:
-        raise ValueError("the shardwise train spec does not apply torchtitan's compile: set compile.enable=False "
-                         "(shardwise DTensors compile; torchtitan's apply_compile reads its own meshes)")
+    if compile_config.enable and compile_config.enable_async_tensor_parallel:
+        raise ValueError("async tensor parallel is torch's symmetric-memory pass over its own process groups: "
+                         "set compile.enable_async_tensor_parallel=False for the shardwise train spec")
     mesh = shardwise_mesh(parallel_dims)
     if parallel_dims.tp > 1:
         apply_tp(model, mesh["tp"], sequence_parallel=parallelism.enable_sequence_parallel)
-    if ac_config is not None:  # torchtitan's own activation checkpointing, as its spec applies it
+    # torchtitan's own activation checkpointing and per-block torch.compile, in its spec's order
+    if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        from torchtitan.distributed.compile import apply_compile
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[training.mixed_precision_param],
                                      reduce_dtype=_DTYPES[training.mixed_precision_reduce])
     apply_fsdp(model, mesh["dp_shard"], mp_policy)

@@ -43,6 +43,7 @@ def build_config(args):
     if args.max_norm is not None:
         config.training.max_norm = args.max_norm
     config.validator.enable = False
+    config.compile.enable = args.compile
     config.debug.seed = 0
     config.metrics.enable_tensorboard = False
     config.checkpoint.enable = bool(args.seed_checkpoint or args.initial_load or args.save_every)
@@ -84,6 +85,7 @@ def main():
     parser.add_argument("--seed-checkpoint", action="store_true")
     parser.add_argument("--initial-load", default=None)
     parser.add_argument("--max-norm", type=float, default=None, help="gradient clipping (the config's 1.0 if unset)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block (torchtitan's compile.enable)")
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--record", default=None, help="a JSON file for rank 0's losses and grad norms")
     args = parser.parse_args()

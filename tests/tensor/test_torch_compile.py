@@ -383,6 +383,33 @@ def test_a_compiled_partial_output_takes_a_replicated_gradient() -> None:
         assert err <= 1e-12, (rank, err)
 
 
+def _compiled_loss_with_plain_labels() -> float:
+    import shardwise as sw
+
+    mesh = sw.init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(1)
+    logits, labels = torch.randn(2, 3, 8, dtype=torch.float64, generator=g), torch.randint(0, 8, (2, 3), generator=g)
+    d = sw.distribute_tensor(logits, mesh, [sw.Shard(2)]).requires_grad_()
+
+    def loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # torchtitan's cross_entropy_loss
+        return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), target.flatten(0, 1), reduction="sum")
+
+    torch._dynamo.reset()
+    out = torch.compile(loss, backend="aot_eager", fullgraph=True)(d, labels)
+    out.backward()
+    ref = logits.clone().requires_grad_()
+    expected = loss(ref, labels)
+    expected.backward()
+    return max(abs(_full(out).item() - expected.item()), (d.grad.full_tensor() - ref.grad).abs().max().item())
+
+
+def test_a_compiled_loss_over_split_logits_and_plain_labels_equals_one_process() -> None:
+    # regression: the labels' replication check read values off the trace's stand-ins (a
+    # data-dependent guard under AOT autograd); a check has nothing to compare while tracing
+    for rank, err in enumerate(run_distributed(_compiled_loss_with_plain_labels, 2, timeout=600)):
+        assert err <= 1e-6, (rank, err)
+
+
 def _user_redistribute() -> tuple[tuple[int, int], float]:
     import shardwise as sw
 

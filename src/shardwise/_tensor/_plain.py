@@ -97,6 +97,14 @@ def _plain_elements(func: Any, args: tuple[Any, ...]) -> frozenset[str]:
     return frozenset(f"{k}]" for k in range(n) if not any(isinstance(a[k], DTensorBase) for a in full))
 
 
+def _traced(t: torch.Tensor) -> bool:
+    """A stand-in of a tensor while torch.compile traces (fake, or a functional / proxy wrapper of
+    a fake one, as in a compiled backward's trace): it has no values to compare."""
+    from torch._subclasses.fake_tensor import maybe_get_fake_mode
+
+    return t.is_meta or isinstance(t, torch._subclasses.FakeTensor) or maybe_get_fake_mode(t) is not None
+
+
 def forget_checks(mesh: DeviceMesh) -> bool:
     """Check again every site on `mesh` and on the meshes whose ranks all belong to it (a module
     was just sharded over `mesh`); whether there was any."""
@@ -135,7 +143,7 @@ def check_plain(func: Any, modes: Any, args: tuple[Any, ...], kwargs: dict[str, 
     if not isinstance(mesh, DeviceMesh) or mesh.size() == 1 or mesh.get_coordinate() is None:
         return
     dry = isinstance(mesh, DryMesh)  # a dry run checks as a real run would (its ranks agree by construction)
-    if not dry and any(isinstance(t, torch._subclasses.FakeTensor) or t.is_meta for _, t in plain):
+    if not dry and any(_traced(t) for _, t in plain):
         return
     site = (func, modes, tuple(t._spec if isinstance(t, DTensorBase) else where for where, t in found),
             (mesh.get_rank(), comm.dry_run_number()) if dry else None)  # once per simulated rank and dry run
