@@ -83,9 +83,9 @@ class DTensor(DTensorBase, role="plain"):
         if expected_type is not None:
             return None
         spec = flatten_spec[0]
-        if spec.placements == self._spec.placements and spec.mesh == self._spec.mesh:
+        if spec.placements == self._spec.placements:
             return self
-        return self.redistribute(spec.mesh, spec.placements)
+        return self.redistribute(placements=spec.placements)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled as its piece and its layout (`torch.save(dtensor)`, a state dict of them);
