@@ -21,7 +21,7 @@ import torch
 
 from shardwise import AbstractMesh, Partial, Placement, Replicate, Shard
 from shardwise._layout import contiguous_strides
-from shardwise._ops import Layout, OpSchema, OpStrategy, PlacementStrategy, TupleStrategy, get_op_strategy, propagate
+from shardwise._ops import Layout, LocalCall, OpSchema, OpStrategy, PlacementStrategy, TupleStrategy, get_op_strategy, propagate, rule_for
 from shardwise._spec import DTensorSpec, TensorMeta
 
 from .oracle import local_piece
@@ -51,6 +51,54 @@ class SimRank:
 
 def coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
     return list(itertools.product(*[range(n) for n in mesh_shape]))
+
+
+class _Pause(Exception):
+    """A simulated rank reached an all_reduce that has no answer yet."""
+
+
+class _LockstepRank(SimRank):
+    """A `SimRank` whose all_reduces are answered across the simulated ranks (`run_in_lockstep`)."""
+
+    def __init__(self, coordinate: tuple[int, ...], answers: list[torch.Tensor]) -> None:
+        super().__init__(coordinate)
+        self.answers = answers
+        self.calls = 0
+        self.asked: Optional[tuple[torch.Tensor, int, str]] = None
+
+    def all_reduce(self, t: torch.Tensor, mesh: Any, mesh_dim: int, op: str) -> torch.Tensor:
+        k, self.calls = self.calls, self.calls + 1
+        if k < len(self.answers):
+            return self.answers[k]
+        self.asked = (t, mesh_dim, op)
+        raise _Pause
+
+
+_REDUCE = {"sum": lambda s: s.sum(0), "avg": lambda s: s.mean(0), "max": lambda s: s.amax(0), "min": lambda s: s.amin(0)}
+
+
+def run_in_lockstep(run: Any, mesh_shape: Sequence[int]) -> dict[tuple[int, ...], Any]:
+    """`run(runtime)` on every simulated rank, each all_reduce answered with the reduction over
+    the ranks that differ only along its mesh dim: every rank runs up to its next unanswered
+    all_reduce, those are reduced, and every rank runs again from the start (local
+    implementations are pure), until all run through."""
+    answers: dict[tuple[int, ...], list[torch.Tensor]] = {c: [] for c in coordinates(mesh_shape)}
+    while True:
+        results: dict[tuple[int, ...], Any] = {}
+        asked: dict[tuple[int, ...], tuple[torch.Tensor, int, str]] = {}
+        for c in coordinates(mesh_shape):
+            rank = _LockstepRank(c, answers[c])
+            try:
+                results[c] = run(rank)
+            except _Pause:
+                assert rank.asked is not None
+                asked[c] = rank.asked
+        if not asked:
+            return results
+        assert len(asked) == len(answers), f"only ranks {sorted(asked)} reached an all_reduce"
+        for c, (_, m, op) in asked.items():
+            group = [asked[d][0] for d in coordinates(mesh_shape) if all(d[i] == c[i] for i in range(len(c)) if i != m)]
+            answers[c].append(_REDUCE[op](torch.stack(group)))
 
 
 def _terms(full: torch.Tensor, mesh_shape: Sequence[int], layout: Layout, seed: int) -> dict[tuple[int, ...], torch.Tensor]:
@@ -158,7 +206,9 @@ def simulate(op: Any, args: Sequence[Any], kwargs: dict[str, Any], mesh_shape: S
     outs = strategy.output_specs
     out_layouts = outs if isinstance(outs, tuple) else (outs,)
     mesh = AbstractMesh(tuple(mesh_shape))
+    impl = rule_for(op).local if isinstance(op, torch._ops.OpOverload) else None
     per_rank: dict[tuple[int, ...], Any] = {}
+    local_calls: dict[tuple[int, ...], tuple[list[Any], dict[str, Any]]] = {}
     for c in coordinates(mesh_shape):
         it = iter([li[c] for li in locals_per_input])
         n_args = len(args)
@@ -169,16 +219,45 @@ def simulate(op: Any, args: Sequence[Any], kwargs: dict[str, Any], mesh_shape: S
             lay = out_layouts[0]
             spec = _spec(mesh, full_out, lay)
             largs[strategy.shape_arg] = list(spec.local_shape_and_offset(c)[0])
+        if impl is not None:  # run below, every rank at once
+            local_calls[c] = (largs, lkw)
+            continue
         result = op(*largs, **lkw)
         if schema_is_inplace(op):
             result = largs[0]
         per_rank[c] = result
+    if impl is not None:  # the rule's local implementation, its all_reduces answered across the ranks
+        in_specs = tuple(_spec(mesh, t, lay) for t, lay in zip(tensors, wanted))
+        out_specs = _out_specs(op, args, kwargs, mesh, outs)
+
+        def run(rt: SimRank) -> Any:
+            a, k = local_calls[rt._coordinate]
+            return impl(LocalCall(op, _clones(a), _clones(k), in_specs, out_specs, rt))
+
+        per_rank = run_in_lockstep(run, mesh_shape)
     if isinstance(outs, tuple):
         return tuple(
             None if lay is None else assemble_output({c: r[k] for c, r in per_rank.items()}, mesh_shape, lay)
             for k, lay in enumerate(out_layouts)
         )
     return assemble_output(per_rank, mesh_shape, outs)
+
+
+def _clones(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, dict):
+        return {k: _clones(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_clones(x) for x in v)
+    return v
+
+
+def _out_specs(op: Any, args: Sequence[Any], kwargs: dict[str, Any], mesh: AbstractMesh, outs: Any) -> Any:
+    full = op(*_clones(list(args)), **_clones(kwargs))
+    if isinstance(outs, tuple):
+        return tuple(None if lay is None else _spec(mesh, f, lay) for f, lay in zip(full, outs))
+    return _spec(mesh, full, outs)
 
 
 def schema_is_inplace(op: Any) -> bool:

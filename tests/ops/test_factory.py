@@ -33,7 +33,7 @@ from shardwise._ops import (
 )
 from shardwise._spec import DTensorSpec, TensorMeta
 
-from ..strategy_sim import SimRank, _terms, assemble_output, check_op, coordinates, default_layouts
+from ..strategy_sim import SimRank, _terms, assemble_output, check_op, coordinates, default_layouts, run_in_lockstep
 
 aten = torch.ops.aten
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
@@ -195,9 +195,14 @@ def check_foreach(op: Any, args: Sequence[Any], kwargs: Optional[dict[str, Any]]
                         arg_layout[i] = lay
             terms = [_terms(t, mesh_shape, lay, 17 * n) for n, (t, lay) in enumerate(zip(elem_tensors, elem_layouts))]
             per_rank: dict[tuple[int, ...], Any] = {}
+            impl = rule_for(op).local
+            in_specs = tuple(_spec(mesh, t, lay) for t, lay in zip(elem_tensors, elem_layouts))
+            pieces = {c: _localize(elem_args, iter([t[c] for t in terms])) for c in coordinates(mesh_shape)}
+            outs = run_in_lockstep(lambda rt: impl(LocalCall(op, pieces[rt._coordinate], dict(kwargs), in_specs, None, rt)),
+                                   mesh_shape) if impl is not None else {}  # its all_reduces answered across the ranks
             for c in coordinates(mesh_shape):
-                local = _localize(elem_args, iter([t[c] for t in terms]))
-                out = op(*local, **kwargs)
+                local = pieces[c]
+                out = outs[c] if impl is not None else op(*local, **kwargs)
                 per_rank[c] = [local[i][0] for i in written] if inplace else [out[0]]
             if inplace:
                 for n, i in enumerate(written):

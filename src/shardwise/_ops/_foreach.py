@@ -13,7 +13,9 @@ the layouts of different parameters never constrain each other:
   candidate can (no write-back);
 - `_foreach_norm`, `_foreach_powsum`, `_foreach_max`: a shard becomes a Partial of the
   matching reduction where there is one (sum for ord 0/1 and powsum, max for ord inf and
-  max, min for ord -inf), else the element is gathered;
+  max, min for ord -inf); a `_foreach_norm` of another order p > 0 keeps its shards and
+  comes out Replicate, its local implementation all-reducing every element's norm^p at
+  once (`_norm_terms`); else the element is gathered;
 - `_fused_adam(w)_`, `_fused_sgd_`: params, grads and optimizer states of element k move
   to one common layout (one of theirs, Partial reduced, or Replicate).
 
@@ -32,6 +34,7 @@ import torch
 from .._layout import local_shape_and_offset
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec
+from ._norm_terms import combines_by_root, foreach_norm_local
 from ._pointwise import pointwise_strategy
 from ._propagate import redistribute_cost
 from ._registry import register_op_strategy
@@ -203,11 +206,15 @@ def _has_empty_piece(spec: DTensorSpec, layout: Layout) -> bool:
     return False
 
 
-def _reduction_child(spec: DTensorSpec, idx: int, n_flat: int, reduce_op: Optional[str]) -> OpStrategy:
+def _reduction_child(spec: DTensorSpec, idx: int, n_flat: int, reduce_op: Optional[str], rooted: bool) -> OpStrategy:
     r = replicate(spec.mesh.ndim)
     ins: list[Optional[Layout]] = [None] * n_flat
     ins[idx] = r
     candidates = [PlacementStrategy(r, tuple(ins))]
+    if rooted and spec.is_sharded():  # shards kept, Partials reduced first; the norm comes out whole
+        ins[idx] = Layout(tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements), spec.shard_order)
+        candidates.append(PlacementStrategy(r, tuple(ins)))
+        return OpStrategy(candidates)
     if reduce_op is None or not (spec.is_sharded() or spec.has_partial()):
         return OpStrategy(candidates)
     need: list[Placement] = []
@@ -230,13 +237,14 @@ def _reduction_child(spec: DTensorSpec, idx: int, n_flat: int, reduce_op: Option
     return OpStrategy(candidates)
 
 
-@register_op_strategy(FOREACH_REDUCTION_OPS, positions_alike=True)
+@register_op_strategy(FOREACH_REDUCTION_OPS, local={aten._foreach_norm.Scalar: foreach_norm_local}, positions_alike=True)
 def foreach_reduction_strategy(schema: OpSchema) -> TupleStrategy:
     where = _flat_index(schema)
     reduce_op = _reduce_op(schema)
+    rooted = schema.op is aten._foreach_norm.Scalar and combines_by_root(schema.arg(1, "ord", 2))
     childs = []
     for k, spec in enumerate(schema.args_schema[0]):
-        childs.append(_reduction_child(spec, where[(0, k)], len(where), reduce_op))
+        childs.append(_reduction_child(spec, where[(0, k)], len(where), reduce_op, rooted))
     return TupleStrategy(tuple(childs))
 
 

@@ -12,7 +12,8 @@ answer; whether those terms make a valid `Partial` depends on the op:
 | amax, max(), vector_norm ord inf / -inf (amin, min(): P(min)) | P(max), only when no rank's piece of the reduced dims is empty (the op has no identity) | max (min) |
 | any / all | P(max) / P(min) on bool | none |
 | aminmax | (P(min), P(max)) | none |
-| prod, argmax/argmin, max.dim/min.dim, var/std, logsumexp, other norms | the reduced dims must be Replicate | none |
+| vector_norm / norm, other ord p > 0 | R: the local implementation all-reduces each rank's norm^p and takes the root (`_norm_terms`) | none |
+| prod, argmax/argmin, max.dim/min.dim, var/std, logsumexp, norms of ord < 0 | the reduced dims must be Replicate | none |
 
 A sum, mean or cumsum given another `dtype=` than its input's keeps no Partial input: each rank
 would round its term to that dtype, and the sum of rounded terms is not the rounded sum.
@@ -36,6 +37,8 @@ so P(sum)/P(avg) pass through it.
 ('as is -> (P(sum))', 'as is -> (P(avg))', 'as is -> (P(max))')
 >>> plan(aten.argmax.default, 0)  # the reduced dim must be whole: all_to_all onto dim 1
 '(S(1)) -> (S(0))'
+>>> plan(aten.linalg_vector_norm.default, 2), plan(aten.linalg_vector_norm.default, 2, (1,))  # terms all-reduced
+('as is -> (R)', 'as is -> (S(0))')
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import torch
 from .._layout import ShardOrder, local_shape_and_offset
 from .._placement import Partial, Placement, Replicate, Shard
 from .._spec import DTensorSpec, TensorMeta
+from ._norm_terms import NORMS, combines_by_root, order_name, vector_norm_local
 from ._registry import register_op_strategy
 from ._schema import Layout, OpSchema, OpStrategy, PlacementStrategy
 from ._utils import expand_to_mesh, normalize_dim, normalize_dims
@@ -157,12 +161,15 @@ def reduction_strategy(
     keep: Sequence[str] = (),
     nonempty: bool = False,
     even: bool = False,
+    rooted: bool = False,
 ) -> OpStrategy:
     """Candidates for reducing input 0 over `dims` into one output per entry of `combine`.
 
     `combine[j]`: the Partial that output j becomes when a reduced dim is sharded (None:
-    reduced dims must be Replicate); `keep`: the Partial kinds of the input that pass
-    through unchanged; `nonempty` / `even`: conditions on the local pieces (see `pieces_fit`).
+    reduced dims must be Replicate, unless `rooted`: the op's local implementation combines
+    the ranks' terms itself, and the outputs are Replicate); `keep`: the Partial kinds of the
+    input that pass through unchanged; `nonempty` / `even`: conditions on the local pieces
+    (see `pieces_fit`).
     """
     spec = schema.args_schema[0]
     assert isinstance(spec, DTensorSpec)
@@ -182,6 +189,8 @@ def reduction_strategy(
                 opts.append((Shard(od),) * n_out + (Shard(d),))
             elif all(c is not None for c in combine):
                 opts.append(tuple(Partial(c) for c in combine if c is not None) + (Shard(d),))
+            elif rooted:
+                opts.append((Replicate(),) * n_out + (Shard(d),))
         p = spec.placements[i]
         if isinstance(p, Partial) and p.reduce_op in keep:
             opts.append((p,) * n_out + (p,))
@@ -294,24 +303,16 @@ def _norm_combine(order: Any) -> tuple[Optional[str], bool]:
         return "sum", False  # count of non-zeros, sum of |x|: both add up
     if math.isinf(p):
         return ("max" if p > 0 else "min"), True
-    return None, False  # (sum |x|^p)^(1/p): no Partial placement combines these
+    return None, False  # (sum |x|^p)^(1/p): combined by the local implementation (p > 0) or gathered
 
 
-# op -> (position of ord/p, position of dim, position of keepdim)
-_NORMS = {
-    aten.linalg_vector_norm.default: (1, 2, 3),
-    aten.norm.Scalar: (1, None, None), aten.norm.ScalarOpt_dtype: (1, None, None),
-    aten.norm.ScalarOpt_dim: (1, 2, 3), aten.norm.ScalarOpt_dim_dtype: (1, 2, 3),
-}
-
-
-@register_op_strategy(list(_NORMS), positions_alike=True)
+@register_op_strategy(list(NORMS), local=vector_norm_local, positions_alike=True)
 def _norm_strategy(schema: OpSchema) -> OpStrategy:
-    ord_at, dim_at, keepdim_at = _NORMS[schema.op]
-    name = "ord" if schema.op is aten.linalg_vector_norm.default else "p"
-    combine, nonempty = _norm_combine(schema.arg(ord_at, name, 2))
+    ord_at, dim_at, keepdim_at = NORMS[schema.op]
+    order = schema.arg(ord_at, order_name(schema.op), 2)
+    combine, nonempty = _norm_combine(order)
     dims, keepdim = _dims_keepdim(schema, dim_at, keepdim_at)
-    return reduction_strategy(schema, dims, keepdim, (combine,), nonempty=nonempty)
+    return reduction_strategy(schema, dims, keepdim, (combine,), nonempty=nonempty, rooted=combines_by_root(order))
 
 
 # -- scans -------------------------------------------------------------------------------
