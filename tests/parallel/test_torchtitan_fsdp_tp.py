@@ -126,13 +126,19 @@ def test_torchtitans_llama3_fsdp_x_tp_step_with_its_imports_switched_trains_as_o
     for step, ((avg, worst, norm, ntokens), (avg1, worst1, norm1)) in enumerate(zip(got, want)):
         assert abs(avg - avg1) <= RTOL * abs(avg1), (step, avg, avg1)
         assert abs(worst - worst1) <= RTOL * abs(worst1), (step, worst, worst1)
-        assert abs(norm - norm1) <= RTOL * abs(norm1), (step, norm, norm1)
+        # each rank's piece's norm, then the root of their squares' sum (as torch's DTensor): torch's
+        # float32 CPU norm kernel is itself off by up to ~1e-4 on a tensor of this size, and the
+        # one process and the pieces round apart (the sum of squares agrees to ~1e-7)
+        assert abs(norm - norm1) <= 20 * RTOL * abs(norm1), (step, norm, norm1)
         assert ntokens == (step + 1) * LOCAL_BATCH * DP * SEQ_LEN
         # float32 sums in another order: errors relative to the gradient's scale, not each
         # element's; from step 1 on, also through the parameters' differences (below)
         scale = RTOL if step == 0 else 10 * RTOL
+        # the gradients were clipped by max_norm / norm: compared as clipped by the same norm
+        # (the norms' own rounding is checked above)
+        same_clip = min(1.0, job.training.max_norm / (norm1 + 1e-6)) / min(1.0, job.training.max_norm / (norm + 1e-6))
         for name, g, g1 in zip(names, got_grads[step], want_grads[step]):
-            torch.testing.assert_close(g, g1, rtol=RTOL, atol=scale * g1.abs().max().item(),
+            torch.testing.assert_close(g * same_clip, g1, rtol=RTOL, atol=scale * g1.abs().max().item(),
                                        msg=lambda m: f"step {step}, {name}.grad: {m}")
     for name, p, q in zip(names, want_params, model.parameters()):
         _assert_adamw_close(name, q.full_tensor(), p, job.optimizer.lr)

@@ -9,7 +9,8 @@ On 4 gloo ranks (dp_shard 2 x tp 2) the example trains torchtitan's Llama 3 debu
 steps twice from one seed checkpoint: once with torchtitan's own train spec (torch's DTensor
 and FSDP2) and once with the shardwise train spec (`shardwise_spec.py`: shardwise's
 tensor-parallel styles and `fully_shard`). Everything else is torchtitan's trainer: its
-dataloader and tokenizer, chunked loss, gradient clipping, AdamW, DCP checkpointer, metrics.
+dataloader and tokenizer, chunked loss, selective activation checkpointing, gradient clipping,
+AdamW, DCP checkpointer, metrics.
 """
 
 from __future__ import annotations
@@ -97,11 +98,11 @@ def test_the_shardwise_spec_trains_like_torchtitans_own(runs: dict[str, Any]) ->
     assert [s["step"] for s in ours] == [s["step"] for s in theirs] == [1, 2, 3]
     assert ours[0]["layout"].startswith("shardwise") and theirs[0]["layout"].startswith("torch"), (ours, theirs)
     for a, b in zip(ours, theirs):
-        # float32 on both sides: the same sums split over the same ranks, rounded alike to ~1e-7
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (ours, theirs)
-        # torch's DTensor sums per-shard norms of each gradient, shardwise the same terms in
-        # another order; float32's CPU norm kernel rounds the two apart by up to ~1e-4
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-4), (ours, theirs)
+        # float32 on both sides, the same sums split over the same ranks: measured bit-equal
+        # losses, and gradient norms 1e-7 apart (each gradient's pieces are laid out apart:
+        # torch's FSDP2 over TP strides its dp shards, shardwise splits them in blocks)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (ours, theirs)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (ours, theirs)
     assert ours[-1]["loss"] < ours[0]["loss"]
 
 

@@ -162,14 +162,15 @@ def torch_dispatch(cls: type, func: Any, types: Any, args: tuple[Any, ...] = (),
 def _first_run(key: tuple[Any, ...], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rule: OpRule) -> Any:
     """Make the plan, run it, and cache it; a fresh output whose piece the kernel laid out in
     another memory order than the global tensor's is re-laid, then and on every later call."""
-    run = _make_plan(func, args, kwargs, key[1]).run
+    plan, moves_self = _make_plan(func, args, kwargs, key[1])
+    run = plan.run
     fresh = rule.fresh_outputs
     written = set() if fresh else rule.written(len(args))
     if not fresh:
         run = write_runner(ViewPlan(run).run, func, written)
     out = run(args, kwargs)
-    if not (fresh or written):  # a view: linked to its base when it moved it (`_view_links`)
-        run = view_runner(run, func, args, kwargs, out)
+    if not (fresh or written):  # a view: linked to its base when its plan moved the base (`_view_links`)
+        run = view_runner(run, func, args, kwargs, out, moves_self)
     which = misplaced(out) if fresh else ()
     if any(which):
         run = RestridedPlan(run, which).run
@@ -290,8 +291,9 @@ def _first_mesh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Abstr
     return None
 
 
-def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], modes: frozenset[str]) -> Plan:
-    """The runner of the plan `_ops.make_plan` makes for this call (`_RUNNERS`)."""
+def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], modes: frozenset[str]) -> tuple[Plan, bool]:
+    """The runner of the plan `_ops.make_plan` makes for this call (`_RUNNERS`), and whether the
+    plan moves the first argument (the same on every rank of the mesh)."""
     mesh = _first_mesh(args, kwargs)
     call = OpCall(func, tuple(map(_described, args)), tuple((k, _described(v)) for k, v in kwargs.items()), modes,
                   None if mesh is None else RUNTIME.coordinate(mesh), func is _CAT and in_split_backward())
@@ -301,7 +303,7 @@ def _make_plan(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], modes: 
         known = ", ".join(sorted(t.__name__ for t in _RUNNERS))
         raise TypeError(f"{func}: _ops.make_plan returned a {type(plan).__qualname__}, a plan type with no runner: "
                         f"add one entry for it to _tensor._dispatch._RUNNERS (runners exist for {known})")
-    return build(plan, func, args)
+    return build(plan, func, args), any(loc[0] == 0 and t is not None for loc, _, t in getattr(plan, "moves", ()))
 
 
 # One builder per plan type of `_ops.OpPlan`: (plan, op, args) -> its runner. A new plan type

@@ -23,6 +23,10 @@ A view made without a move and of an unlinked base (nearly every view: `w.t()` i
 costs one dict lookup; an op that writes costs one truthiness test while no linked view is
 alive. Links are kept by the view's `id` and dropped when the view is freed, as torch's
 `_base` lives exactly as long as its view.
+
+A rank outside the base's mesh links nothing: it runs no op (`OutsidePlan`), so its views are
+fresh empty pieces that only look moved, and a write there is a no-op with nothing to carry
+back (`d.data.mul_(1.0)` outside `d`'s mesh raised the ValueError for `detach`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ._runtime import RUNTIME
 from ._wrap import DTENSOR_CLASSES
 
 __all__ = ["ViewLinkPlan", "WriteThroughPlan", "view_runner", "write_runner"]
@@ -64,7 +69,9 @@ def _inverse_permutation(dims: list[int]) -> list[int]:
 def _scatters(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], n_out: int) -> list[Optional[Callable[..., Any]]]:
     """For each output of the view op `func(*args, **kwargs)`: how its value goes back into
     `args[0]` (a function of (base, view) giving the base's new value), or None: no way back."""
-    a = lambda k, name, default=None: _arg(args, kwargs, k, name, default)  # noqa: E731
+    def a(k: int, name: str, default: Any = None) -> Any:
+        return _arg(args, kwargs, k, name, default)
+
     if func is aten.slice.Tensor:
         dim, start, end, step = a(1, "dim", 0), a(2, "start"), a(3, "end"), a(4, "step", 1)
         return [lambda base, v: aten.slice_scatter(base, v, dim, start, end, step)]
@@ -134,6 +141,10 @@ class ViewLinkPlan:
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = self.inner(args, kwargs)
+        self.link(args, kwargs, out)
+        return out
+
+    def link(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         base = args[0]
         if self.moved:
             outs = _outputs(out)
@@ -141,10 +152,9 @@ class ViewLinkPlan:
                 if view.__class__ in DTENSOR_CLASSES:
                     _link(view, base, back or _cannot(self.func))
         elif _LINKS and id(base) in _LINKS:
-            for view in _outputs(out):
-                if view.__class__ in DTENSOR_CLASSES:
+            for view in _outputs(out):  # (a view a decomposition's own view op linked keeps that link)
+                if view.__class__ in DTENSOR_CLASSES and id(view) not in _LINKS:
                     _link(view, base, None)
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,25 +189,16 @@ def write_back(view: Any) -> None:
 
 
 def view_runner(run: Callable[..., Any], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                out: Any) -> Callable[..., Any]:
-    """The runner of a view op's plan, given its first result `out`: linking when the plan
-    moved the base, else one that only carries existing links."""
-    base = args[0] if args else None
-    if base.__class__ not in DTENSOR_CLASSES:
-        return run
-    piece = base._local_tensor
-    moved = any(o.__class__ in DTENSOR_CLASSES and not torch._C._is_alias_of(o._local_tensor, piece)
-                for o in _outputs(out))
+                out: Any, moved: bool) -> Callable[..., Any]:
+    """The runner of a view op's plan, given its first result `out` and whether the plan moves
+    the base (read off the plan, so every rank of the mesh decides alike; a rank's own pieces
+    could not tell: an empty piece is fresh on some ranks and a view on others): linking when
+    it does, else one that only carries existing links."""
+    base: Any = args[0] if args else None
+    if base.__class__ not in DTENSOR_CLASSES or RUNTIME.coordinate(base._spec.mesh) is None:
+        return run  # outside its mesh a rank computes nothing: its empty pieces are fresh, never moved
     plan = ViewLinkPlan(run, func, moved)
-    if moved:
-        outs = _outputs(out)
-        for view, back in zip(outs, _scatters(func, args, kwargs, len(outs))):
-            if view.__class__ in DTENSOR_CLASSES:
-                _link(view, base, back or _cannot(func))
-    elif id(base) in _LINKS:
-        for view in _outputs(out):
-            if view.__class__ in DTENSOR_CLASSES:
-                _link(view, base, None)
+    plan.link(args, kwargs, out)
     return plan.run
 
 
